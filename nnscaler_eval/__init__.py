@@ -1,0 +1,5 @@
+"""nnscaler_eval: the implementation behind the public `nnscaler` package.
+
+Nothing outside this package imports its private names; users import `nnscaler`.
+"""
+from nnscaler_eval import _C  # noqa: F401  (fails early if the extension is missing)

@@ -1,0 +1,45 @@
+"""Build of nnscaler-eval: one C extension, nnscaler_eval._C, from csrc/ and guards/.
+
+NNSCALER_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
+(`make asan`); NNSCALER_DEBUG=1 keeps assertions and turns optimisation off.
+"""
+import glob
+import os
+
+from setuptools import Extension, setup
+
+sanitize = os.environ.get("NNSCALER_SANITIZE") == "1"
+debug = os.environ.get("NNSCALER_DEBUG") == "1" or sanitize
+
+extra_compile_args = ["-Wall", "-Wextra", "-Werror=implicit-function-declaration",
+                      "-Wno-missing-field-initializers", "-std=c11"]
+extra_link_args = []
+undef_macros = []
+if debug:
+    extra_compile_args += ["-O0", "-g3"]
+    undef_macros.append("NDEBUG")
+else:
+    extra_compile_args += ["-O2"]
+if sanitize:
+    flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+             "-fno-sanitize-recover=undefined"]
+    extra_compile_args += flags
+    extra_link_args += flags
+if os.environ.get("NNSCALER_WERROR") == "1":
+    extra_compile_args.append("-Werror")
+
+sources = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("guards/*.c"))
+
+setup(
+    ext_modules=[
+        Extension(
+            "nnscaler_eval._C",
+            sources=sources,
+            include_dirs=["csrc", "guards"],
+            libraries=["xxhash"],
+            extra_compile_args=extra_compile_args,
+            extra_link_args=extra_link_args,
+            undef_macros=undef_macros,
+        )
+    ],
+)
