@@ -1,7 +1,153 @@
 /* module.c - nnscaler_eval._C: module init and the Python-visible functions.
- * (Grows with eval_frame.c and guards/.) */
+ *
+ * The module is initialised in multi-phase form (PEP 489) but refuses a second
+ * interpreter: the PEP 523 hook reaches its state through nns_globals. */
+#include "cache.h"
+#include "code_state.h"
 #include "compat.h"
+#include "compiled_call.h"
+#include "eval_frame.h"
+#include "nns_globals.h"
 #include "rewrite.h"
+
+NnsGlobals nns_globals = {.code_extra_index = -1};
+
+int
+nns_report_internal_error(const char *where)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    int rc = PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                              "nnscaler: %s failed (%R); the frame runs without it",
+                              where, value ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ ArmToken */
+
+typedef struct {
+    PyObject_HEAD
+    ArmSaved saved;
+    int active;
+} ArmToken;
+
+static void
+arm_token_dealloc(ArmToken *self)
+{
+    /* A token dropped without disarm() cannot restore anything safely. */
+    Py_CLEAR(self->saved.config);
+    Py_CLEAR(self->saved.target);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject ArmToken_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "nnscaler_eval._C.ArmToken",
+    .tp_basicsize = sizeof(ArmToken),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What arm() saved; hand it back to disarm().",
+    .tp_dealloc = (destructor)arm_token_dealloc,
+};
+
+PyDoc_STRVAR(arm_doc,
+"arm(config, target=None) -> token\n\nArm this thread: `config` is the rewrite-mode object,\n"
+"a capture config, or None (disarm, as disable() does). `target` is a code object\n"
+"captured even when it is not a module forward. Returns a token for disarm().");
+
+static PyObject *
+py_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "arm(config, target=None)");
+        return NULL;
+    }
+    PyObject *target = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    if (target != NULL && !PyCode_Check(target)) {
+        PyErr_Format(PyExc_TypeError, "arm(): target must be a code object, not %.100s",
+                     Py_TYPE(target)->tp_name);
+        return NULL;
+    }
+    if (nns_globals.ifexpr == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "nnscaler_eval._C.install() has not run");
+        return NULL;
+    }
+    ArmToken *token = PyObject_New(ArmToken, &ArmToken_Type);
+    if (token == NULL) {
+        return NULL;
+    }
+    arm_push(&token->saved, args[0], target);
+    token->active = 1;
+    return (PyObject *)token;
+}
+
+PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nRestore what the matching arm() saved.");
+
+static PyObject *
+py_disarm(PyObject *Py_UNUSED(module), PyObject *token)
+{
+    if (!Py_IS_TYPE(token, &ArmToken_Type)) {
+        PyErr_Format(PyExc_TypeError, "disarm(): expected an ArmToken, not %.100s",
+                     Py_TYPE(token)->tp_name);
+        return NULL;
+    }
+    ArmToken *t = (ArmToken *)token;
+    if (!t->active) {
+        PyErr_SetString(PyExc_RuntimeError, "disarm(): this token was already used");
+        return NULL;
+    }
+    t->active = 0;
+    arm_pop(&t->saved);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ install */
+
+static int
+set_global(PyObject **slot, PyObject *value)
+{
+    Py_XSETREF(*slot, Py_NewRef(value));
+    return 0;
+}
+
+PyDoc_STRVAR(install_doc,
+"install(ifexpr, convert_frame, rewrite_mode, run_eagerly, module_type, tensor_type,\n"
+"        is_grad_enabled, global_hook_dicts)\n\nHand the C core the Python objects it\n"
+"needs (nnscaler_eval does this once at import).");
+
+static PyObject *
+py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "install() takes 8 arguments");
+        return NULL;
+    }
+    if (!PyType_Check(args[4]) || !PyType_Check(args[5]) || !PyTuple_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "install(): module_type/tensor_type must be types, "
+                                         "global_hook_dicts a tuple");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[7]); i++) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(args[7], i))) {
+            PyErr_SetString(PyExc_TypeError, "install(): global_hook_dicts must hold dicts");
+            return NULL;
+        }
+    }
+    set_global(&nns_globals.ifexpr, args[0]);
+    set_global(&nns_globals.convert_frame, args[1]);
+    set_global(&nns_globals.rewrite_mode, args[2]);
+    set_global(&nns_globals.run_eagerly, args[3]);
+    set_global((PyObject **)&nns_globals.module_type, args[4]);
+    set_global((PyObject **)&nns_globals.tensor_type, args[5]);
+    set_global(&nns_globals.is_grad_enabled, args[6]);
+    set_global(&nns_globals.global_hook_dicts, args[7]);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------- introspection */
 
 PyDoc_STRVAR(rewrite_code_doc,
 "rewrite_code(code, ifexpr) -> (code, n_sites)\n\n"
@@ -23,12 +169,191 @@ rewrite_code(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(Ni)", code, n_sites);
 }
 
+PyDoc_STRVAR(code_state_doc,
+"code_state(code) -> dict or None\n\nWhat the evaluator decided for `code` (None if it\n"
+"has not seen it): skip, forward, n_sites, rewritten, buckets.");
+
+static PyObject *
+py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "code_state(code): expected a code object");
+        return NULL;
+    }
+    CodeState *cs = code_state_peek((PyCodeObject *)code);
+    if (cs == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *buckets = cs->buckets ? PyList_GetSlice(cs->buckets, 0, PY_SSIZE_T_MAX) : PyList_New(0);
+    if (buckets == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("{s:O,s:O,s:i,s:O,s:N}",
+                         "skip", (cs->flags & CS_SKIP) ? Py_True : Py_False,
+                         "forward", (cs->flags & CS_FORWARD) ? Py_True : Py_False,
+                         "n_sites", cs->n_sites,
+                         "rewritten", cs->rewritten ? cs->rewritten : Py_None,
+                         "buckets", buckets);
+}
+
+PyDoc_STRVAR(decide_doc,
+"decide(code) -> dict\n\nDecide `code` now, as the evaluator does on first sight (rewrite\n"
+"included), and return code_state(code).");
+
+static PyObject *
+py_decide(PyObject *module, PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "decide(code): expected a code object");
+        return NULL;
+    }
+    if (code_state_get((PyCodeObject *)code) == NULL) {
+        return NULL;
+    }
+    return py_code_state(module, code);
+}
+
+static PyObject *
+py_mark_skip(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "mark_skip(code): expected a code object");
+        return NULL;
+    }
+    if (code_state_mark_skip((PyCodeObject *)code) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_clear_cache(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "clear_cache(code): expected a code object");
+        return NULL;
+    }
+    CodeState *cs = code_state_peek((PyCodeObject *)code);
+    if (cs != NULL) {
+        Py_CLEAR(cs->buckets);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_eval_frame_installed(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(eval_frame_installed());
+}
+
+static PyObject *
+py_is_default_eval_frame(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    _PyFrameEvalFunction f = _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get());
+    return PyBool_FromLong(f == _PyEval_EvalFrameDefault);
+}
+
+static PyObject *
+py_armed_threads(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSsize_t(eval_frame_armed_threads());
+}
+
+static PyObject *
+py_current_config(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    PyObject *config = arm_current_config();
+    return Py_NewRef(config ? config : Py_None);
+}
+
+static PyObject *
+py_dict_version(PyObject *Py_UNUSED(module), PyObject *d)
+{
+    if (!PyDict_Check(d)) {
+        PyErr_SetString(PyExc_TypeError, "dict_version(d): expected a dict");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(nns_dict_version(d));
+}
+
 static PyMethodDef module_methods[] = {
+    {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, install_doc},
+    {"arm", (PyCFunction)(void (*)(void))py_arm, METH_FASTCALL, arm_doc},
+    {"disarm", py_disarm, METH_O, disarm_doc},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
+    {"code_state", py_code_state, METH_O, code_state_doc},
+    {"decide", py_decide, METH_O, decide_doc},
+    {"mark_skip", py_mark_skip, METH_O, "mark_skip(code): never intercept `code`."},
+    {"clear_cache", py_clear_cache, METH_O, "clear_cache(code): drop the cache entries of `code`."},
+    {"eval_frame_installed", py_eval_frame_installed, METH_NOARGS,
+     "True while this project's evaluator is installed."},
+    {"is_default_eval_frame", py_is_default_eval_frame, METH_NOARGS,
+     "True when the interpreter runs CPython's default frame evaluator."},
+    {"armed_threads", py_armed_threads, METH_NOARGS, "Number of threads armed now."},
+    {"current_config", py_current_config, METH_NOARGS, "This thread's config, or None."},
+    {"dict_version", py_dict_version, METH_O, "The version tag of a dict (guards compare it)."},
     {NULL, NULL, 0, NULL},
 };
 
+static int
+add_type(PyObject *module, PyTypeObject *type, const char *name)
+{
+    if (PyType_Ready(type) < 0) {
+        return -1;
+    }
+    return PyModule_AddObjectRef(module, name, (PyObject *)type);
+}
+
+static PyObject *
+intern(const char *s)
+{
+    return PyUnicode_InternFromString(s);
+}
+
+static int
+module_exec(PyObject *module)
+{
+    static int initialised;
+    if (initialised) {
+        PyErr_SetString(PyExc_ImportError,
+                        "nnscaler_eval._C can be loaded once per process (one interpreter)");
+        return -1;
+    }
+    if (code_state_init() < 0) {
+        return -1;
+    }
+    struct { PyObject **slot; const char *s; } names[] = {
+        {&nns_globals.str_training, "training"},
+        {&nns_globals.str_forward, "forward"},
+        {&nns_globals.str_call_impl, "_call_impl"},
+        {&nns_globals.str_dtype, "dtype"},
+        {&nns_globals.str_shape, "shape"},
+        {&nns_globals.str_stride, "stride"},
+        {&nns_globals.str_device, "device"},
+        {&nns_globals.str_requires_grad, "requires_grad"},
+        {&nns_globals.str_forward_hooks, "_forward_hooks"},
+        {&nns_globals.str_forward_pre_hooks, "_forward_pre_hooks"},
+        {&nns_globals.str_backward_hooks, "_backward_hooks"},
+        {&nns_globals.str_backward_pre_hooks, "_backward_pre_hooks"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if ((*names[i].slot = intern(names[i].s)) == NULL) {
+            return -1;
+        }
+    }
+    if (add_type(module, &CacheEntry_Type, "CacheEntry") < 0 ||
+        add_type(module, &CacheBucket_Type, "CacheBucket") < 0 ||
+        add_type(module, &ModuleCall_Type, "ModuleCall") < 0 ||
+        add_type(module, &CompiledFunction_Type, "CompiledFunction") < 0 ||
+        add_type(module, &ArmToken_Type, "ArmToken") < 0) {
+        return -1;
+    }
+    initialised = 1;
+    return 0;
+}
+
 static struct PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
     {0, NULL},
 };
 

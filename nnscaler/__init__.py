@@ -1,2 +1,24 @@
-"""nnscaler: PEP 523 graph capture of nn.Module.forward, nnScaler style (public API)."""
-from nnscaler import runtime  # noqa: F401
+"""nnscaler: PEP 523 graph capture of nn.Module.forward, nnScaler style (public API).
+
+    model = nnscaler.compile(model)          # capture, guard, cache, dispatch
+    with nnscaler.eval_frame.enable():       # rewrite mode (self.training ifexpr)
+        ...
+"""
+from nnscaler import eval_frame, runtime
+from nnscaler_eval.compile_api import compile
+from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
+from nnscaler_eval.rewrite import rewritten_code, rewritten_function, show_rewrite
+
+__all__ = [
+    "compile",
+    "eval_frame",
+    "runtime",
+    "cache_info",
+    "CacheInfo",
+    "explain",
+    "ExplainReport",
+    "reset",
+    "rewritten_code",
+    "rewritten_function",
+    "show_rewrite",
+]

@@ -3,3 +3,6 @@
 Nothing outside this package imports its private names; users import `nnscaler`.
 """
 from nnscaler_eval import _C  # noqa: F401  (fails early if the extension is missing)
+from nnscaler_eval._install import install as _install
+
+_install()

@@ -1,0 +1,122 @@
+/* code_state.c - per-code-object state in co_extra. */
+#include "code_state.h"
+#include "nns_globals.h"
+#include "rewrite.h"
+
+static void
+code_state_free(void *ptr)
+{
+    CodeState *cs = (CodeState *)ptr;
+    if (cs == NULL) {
+        return;
+    }
+    Py_CLEAR(cs->rewritten);
+    Py_CLEAR(cs->buckets);
+    PyMem_Free(cs);
+}
+
+int
+code_state_init(void)
+{
+    if (nns_globals.code_extra_index >= 0) {
+        return 0;
+    }
+    Py_ssize_t index = _PyEval_RequestCodeExtraIndex(code_state_free);
+    if (index < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "nnscaler: no co_extra slot left");
+        return -1;
+    }
+    nns_globals.code_extra_index = index;
+    return 0;
+}
+
+CodeState *
+code_state_peek(PyCodeObject *code)
+{
+    void *extra = NULL;
+    if (_PyCode_GetExtra((PyObject *)code, nns_globals.code_extra_index, &extra) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return (CodeState *)extra;
+}
+
+static CodeState *
+code_state_new(PyCodeObject *code)
+{
+    CodeState *cs = PyMem_Calloc(1, sizeof(CodeState));
+    if (cs == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (_PyCode_SetExtra((PyObject *)code, nns_globals.code_extra_index, cs) < 0) {
+        PyMem_Free(cs);
+        return NULL;
+    }
+    return cs;
+}
+
+int
+code_state_mark_skip(PyCodeObject *code)
+{
+    CodeState *cs = code_state_peek(code);
+    if (cs == NULL && (cs = code_state_new(code)) == NULL) {
+        return -1;
+    }
+    cs->flags |= CS_SKIP;
+    return 0;
+}
+
+static int
+is_skipped_code(PyCodeObject *code)
+{
+    const int not_plain = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR | CO_ITERABLE_COROUTINE;
+    if (code->co_flags & not_plain) {
+        return 1;
+    }
+    /* Module and class bodies run with a locals mapping; never ours to replace. */
+    return !(code->co_flags & CO_OPTIMIZED) || !(code->co_flags & CO_NEWLOCALS);
+}
+
+CodeState *
+code_state_get(PyCodeObject *code)
+{
+    CodeState *cs = code_state_peek(code);
+    if (cs != NULL) {
+        return cs;
+    }
+    cs = code_state_new(code);
+    if (cs == NULL) {
+        return NULL;
+    }
+    if (is_skipped_code(code)) {
+        cs->flags |= CS_SKIP;
+        return cs;
+    }
+    if (code->co_argcount >= 1 &&
+        PyUnicode_Compare(code->co_name, nns_globals.str_forward) == 0) {
+        cs->flags |= CS_FORWARD;
+    }
+    if (rewrite_may_apply(code)) {
+        int n_sites = 0;
+        PyObject *rewritten = rewrite_training_ifexpr(code, nns_globals.ifexpr, &n_sites);
+        if (rewritten == NULL) {
+            /* Fail open: the frame runs its original code; the error becomes a warning. */
+            if (nns_report_internal_error("bytecode rewrite") < 0) {
+                return NULL;
+            }
+        }
+        else if (n_sites == 0) {
+            Py_DECREF(rewritten);
+        }
+        else {
+            if (code_state_mark_skip((PyCodeObject *)rewritten) < 0) {
+                Py_DECREF(rewritten);
+                return NULL;
+            }
+            cs->rewritten = rewritten;
+            cs->n_sites = n_sites;
+        }
+    }
+    return cs;
+}

@@ -1,0 +1,37 @@
+/* code_state.h - what this project knows about one code object, kept in co_extra.
+ *
+ * Decided once per code object on first sight and freed with the code object.
+ * The CodeState never holds a reference that leads back to its own code object
+ * (that cycle would be invisible to the GC, since co_extra is not traversed).
+ */
+#ifndef NNSCALER_CODE_STATE_H
+#define NNSCALER_CODE_STATE_H
+
+#include "compat.h"
+
+enum {
+    CS_SKIP = 1 << 0,        /* never intercepted: generators, class bodies, our own code */
+    CS_FORWARD = 1 << 1,     /* named "forward" with a first argument: a module forward */
+};
+
+typedef struct CodeState {
+    unsigned flags;
+    int n_sites;              /* rewritten self.training sites */
+    PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
+    PyObject *buckets;        /* owned list of CacheBucket (one per `self`), or NULL */
+} CodeState;
+
+/* Index into co_extra; must be called once at module init. -1 on error. */
+int code_state_init(void);
+
+/* The CodeState of `code`, created and decided on first sight. Borrowed (owned by
+ * the code object). NULL with an exception set on failure. */
+CodeState *code_state_get(PyCodeObject *code);
+
+/* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1. */
+int code_state_mark_skip(PyCodeObject *code);
+
+/* The existing CodeState or NULL; never creates one, never raises. */
+CodeState *code_state_peek(PyCodeObject *code);
+
+#endif

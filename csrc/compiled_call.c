@@ -1,0 +1,274 @@
+/* compiled_call.c - the C callables that nnscaler.compile() installs.
+ *
+ * ModuleCall: stored as a module's `_compiled_call_impl`, which
+ *   nn.Module._wrapped_call_impl calls in place of _call_impl.  It arms this thread
+ *   with the module's capture config and, when neither the module nor the global
+ *   registries hold hooks, calls `forward` directly (what _call_impl itself does in
+ *   that case); otherwise it calls `_call_impl` so the root's hooks run as in eager.
+ * CompiledFunction: wraps a plain function; arms the thread with the function's
+ *   code as the capture target.
+ */
+#include "compiled_call.h"
+#include "eval_frame.h"
+#include "nns_globals.h"
+#include "structmember.h"
+
+/* ---------------------------------------------------------------- ModuleCall */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *module;      /* owned (the module owns us too: a GC-visible cycle) */
+    PyObject *config;      /* owned */
+    vectorcallfunc vectorcall;
+} ModuleCall;
+
+static int
+dict_nonempty(PyObject *owner_dict, PyObject *name)
+{
+    PyObject *d = PyDict_GetItemWithError(owner_dict, name);   /* borrowed */
+    if (d == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    return PyDict_Check(d) ? PyDict_GET_SIZE(d) > 0 : PyObject_IsTrue(d);
+}
+
+/* 1 when calling the module must go through _call_impl (hooks present). */
+static int
+module_has_hooks(PyObject *module)
+{
+    PyObject *globals = nns_globals.global_hook_dicts;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++) {
+        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0) {
+            return 1;
+        }
+    }
+    PyObject **dictptr = _PyObject_GetDictPtr(module);
+    if (dictptr == NULL || *dictptr == NULL) {
+        return 1;
+    }
+    PyObject *names[] = {nns_globals.str_forward_hooks, nns_globals.str_forward_pre_hooks,
+                         nns_globals.str_backward_hooks, nns_globals.str_backward_pre_hooks};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        int r = dict_nonempty(*dictptr, names[i]);
+        if (r != 0) {
+            return r;
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    ModuleCall *self = (ModuleCall *)callable;
+    PyObject *result = NULL;
+    PyObject *target = NULL;    /* owned */
+    ArmSaved saved;
+
+    int hooks = module_has_hooks(self->module);
+    if (hooks < 0) {
+        return NULL;
+    }
+    target = PyObject_GetAttr(self->module, hooks ? nns_globals.str_call_impl : nns_globals.str_forward);
+    if (target == NULL) {
+        return NULL;
+    }
+    arm_push(&saved, self->config, NULL);
+    result = PyObject_Vectorcall(target, args, nargsf, kwnames);
+    arm_pop(&saved);
+    Py_DECREF(target);
+    return result;
+}
+
+static PyObject *
+module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"module", "config", NULL};
+    PyObject *module, *config;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:ModuleCall", kwlist, &module, &config)) {
+        return NULL;
+    }
+    ModuleCall *self = (ModuleCall *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->module = Py_NewRef(module);
+    self->config = Py_NewRef(config);
+    self->vectorcall = module_call_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+module_call_traverse(ModuleCall *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->module);
+    Py_VISIT(self->config);
+    return 0;
+}
+
+static int
+module_call_clear(ModuleCall *self)
+{
+    Py_CLEAR(self->module);
+    Py_CLEAR(self->config);
+    return 0;
+}
+
+static void
+module_call_dealloc(ModuleCall *self)
+{
+    PyObject_GC_UnTrack(self);
+    module_call_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef module_call_members[] = {
+    {"config", T_OBJECT, offsetof(ModuleCall, config), READONLY, "the capture config"},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(ModuleCall, vectorcall), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *
+module_call_reduce(ModuleCall *self, PyObject *Py_UNUSED(ignored))
+{
+    /* copy.deepcopy / pickle of a compiled module: the copy is compiled with the
+     * same options (nnscaler_eval.compile_api re-installs on the copy). */
+    return Py_BuildValue("(O(OO))", Py_TYPE(self), self->module, self->config);
+}
+
+static PyMethodDef module_call_methods[] = {
+    {"__reduce__", (PyCFunction)module_call_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject ModuleCall_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "nnscaler_eval._C.ModuleCall",
+    .tp_basicsize = sizeof(ModuleCall),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "ModuleCall(module, config): a compiled module's _compiled_call_impl.",
+    .tp_new = module_call_new,
+    .tp_dealloc = (destructor)module_call_dealloc,
+    .tp_traverse = (traverseproc)module_call_traverse,
+    .tp_clear = (inquiry)module_call_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(ModuleCall, vectorcall),
+    .tp_members = module_call_members,
+    .tp_methods = module_call_methods,
+};
+
+/* ---------------------------------------------------------- CompiledFunction */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fn;          /* owned */
+    PyObject *code;        /* owned: fn.__code__ at compile time */
+    PyObject *config;      /* owned */
+    PyObject *dict;        /* owned: __wrapped__, __name__, ... (functools.wraps) */
+    vectorcallfunc vectorcall;
+} CompiledFunction;
+
+static PyObject *
+compiled_function_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames)
+{
+    CompiledFunction *self = (CompiledFunction *)callable;
+    ArmSaved saved;
+    arm_push(&saved, self->config, self->code);
+    PyObject *result = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    arm_pop(&saved);
+    return result;
+}
+
+static PyObject *
+compiled_function_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fn", "config", NULL};
+    PyObject *fn, *config;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:CompiledFunction", kwlist, &fn, &config)) {
+        return NULL;
+    }
+    if (!PyFunction_Check(fn)) {
+        PyErr_Format(PyExc_TypeError, "CompiledFunction: expected a Python function, got %.100s",
+                     Py_TYPE(fn)->tp_name);
+        return NULL;
+    }
+    CompiledFunction *self = (CompiledFunction *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->fn = Py_NewRef(fn);
+    self->code = Py_NewRef(PyFunction_GET_CODE(fn));
+    self->config = Py_NewRef(config);
+    self->vectorcall = compiled_function_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyObject *
+compiled_function_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+static int
+compiled_function_traverse(CompiledFunction *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fn);
+    Py_VISIT(self->code);
+    Py_VISIT(self->config);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+compiled_function_clear(CompiledFunction *self)
+{
+    Py_CLEAR(self->fn);
+    Py_CLEAR(self->code);
+    Py_CLEAR(self->config);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+compiled_function_dealloc(CompiledFunction *self)
+{
+    PyObject_GC_UnTrack(self);
+    compiled_function_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef compiled_function_members[] = {
+    {"config", T_OBJECT, offsetof(CompiledFunction, config), READONLY, "the capture config"},
+    {"_nnscaler_fn", T_OBJECT, offsetof(CompiledFunction, fn), READONLY, "the wrapped function"},
+    {"__dictoffset__", T_PYSSIZET, offsetof(CompiledFunction, dict), READONLY, NULL},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(CompiledFunction, vectorcall), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef compiled_function_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyTypeObject CompiledFunction_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "nnscaler_eval._C.CompiledFunction",
+    .tp_basicsize = sizeof(CompiledFunction),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "CompiledFunction(fn, config): a function compiled by nnscaler.compile().",
+    .tp_new = compiled_function_new,
+    .tp_dealloc = (destructor)compiled_function_dealloc,
+    .tp_traverse = (traverseproc)compiled_function_traverse,
+    .tp_clear = (inquiry)compiled_function_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(CompiledFunction, vectorcall),
+    .tp_descr_get = compiled_function_get,
+    .tp_dictoffset = offsetof(CompiledFunction, dict),
+    .tp_members = compiled_function_members,
+    .tp_getset = compiled_function_getset,
+};

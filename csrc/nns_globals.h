@@ -1,0 +1,37 @@
+/* nns_globals.h - process-wide objects the C core needs on its hot paths.
+ *
+ * Filled once by _C.install() when nnscaler_eval is imported (see
+ * nnscaler_eval/_install.py).  One interpreter only: the PEP 523 hook has no module
+ * object to reach state through, so these live in one static struct.  All fields
+ * are strong references owned by this struct and stay alive for the process.
+ */
+#ifndef NNSCALER_GLOBALS_H
+#define NNSCALER_GLOBALS_H
+
+#include "compat.h"
+
+typedef struct {
+    Py_ssize_t code_extra_index;   /* from _PyEval_RequestCodeExtraIndex, -1 before init */
+    PyObject *ifexpr;              /* nnscaler.runtime.function.ifexpr */
+    PyObject *convert_frame;       /* nnscaler_eval.convert_frame.convert_frame */
+    PyObject *rewrite_mode;        /* the config object that means "rewrite only" */
+    PyObject *run_eagerly;         /* sentinel convert_frame returns: evaluate the frame */
+    PyTypeObject *module_type;     /* torch.nn.Module */
+    PyTypeObject *tensor_type;     /* torch._C.TensorBase */
+    PyObject *is_grad_enabled;     /* torch.is_grad_enabled */
+    PyObject *global_hook_dicts;   /* tuple of torch.nn.modules.module._global_*_hooks dicts */
+    /* interned names */
+    PyObject *str_training, *str_forward, *str_call_impl, *str_dtype, *str_shape,
+        *str_stride, *str_device, *str_requires_grad;
+    PyObject *str_forward_hooks, *str_forward_pre_hooks, *str_backward_hooks,
+        *str_backward_pre_hooks;
+} NnsGlobals;
+
+extern NnsGlobals nns_globals;
+
+/* Report an error of our own without losing the user's call: the pending exception
+ * becomes a RuntimeWarning naming `where`.  Returns 0, or -1 if the warning itself
+ * raised (warnings turned into errors), leaving that exception set. */
+int nns_report_internal_error(const char *where);
+
+#endif

@@ -1,0 +1,75 @@
+/* cache.h - cache entries (a captured graph and its guards) and buckets (the
+ * entries of one code object for one `self`).
+ *
+ * Guard kind 2, object state by invalidation: an entry snapshots the version tag of
+ * every dict it depends on (hook dicts, _modules/_parameters/_buffers of each module
+ * the trace went through, global hook dicts); any change to one of those dicts makes
+ * the entry stale for good, and it is dropped on the next lookup.  Training flags that
+ * were branched on are compared by value (a toggle back makes the entry valid again).
+ *
+ * References: an entry owns its runner, the guarded dicts, weak references to
+ * modules (never strong ones: the cache lives in co_extra, which the GC cannot see,
+ * so a strong reference to a module would keep it alive forever), and `info`.
+ */
+#ifndef NNSCALER_CACHE_H
+#define NNSCALER_CACHE_H
+
+#include "compat.h"
+#include "call_key.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *runner;          /* owned callable, or NULL: run the frame eagerly */
+    PyObject *training_refs;   /* owned tuple of weakrefs: flags passed to the runner */
+    Py_ssize_t n_dicts;
+    PyObject **dicts;          /* owned */
+    uint64_t *versions;
+    Py_ssize_t n_flags;
+    PyObject **flag_refs;      /* owned weakrefs to modules */
+    char *flag_values;
+    PyObject *guard_names;     /* owned tuple of str: dict guards, then flag guards */
+    PyObject *info;            /* owned: the Python-side description (explain) */
+    unsigned char *key;        /* PyMem block, the stored call key */
+    size_t key_len;
+    uint64_t key_hash;
+    PyObject *pins;            /* owned list or NULL: objects keyed by identity */
+    Py_ssize_t hits;
+} CacheEntry;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *self_ref;        /* owned weakref to `self` (with a callback), or NULL */
+    void *self_id;             /* identity of `self` (NULL for function targets) */
+    int dead;                  /* `self` was collected: entries released */
+    PyObject *entries;         /* owned list of CacheEntry, most recently used first */
+    Py_ssize_t misses, fallbacks, captures, hits;
+    int limit_warned;
+} CacheBucket;
+
+extern PyTypeObject CacheEntry_Type;
+extern PyTypeObject CacheBucket_Type;
+
+/* 1 when every state guard holds; 0 when a flag differs (entry kept); -1 when a dict
+ * changed or a guarded module died (entry stale for good).  *failed gets the index
+ * of the failing guard.  Never raises. */
+int cache_entry_check(CacheEntry *entry, Py_ssize_t *failed);
+
+/* Borrowed bucket of `self` (NULL for function targets) in `buckets` (a list, may be
+ * NULL), or NULL when there is none.  Drops buckets whose self died. */
+CacheBucket *cache_find_bucket(PyObject *buckets, PyObject *self);
+/* New bucket appended to *buckets (created if NULL). Borrowed result; NULL on error. */
+CacheBucket *cache_new_bucket(PyObject **buckets, PyObject *self);
+
+/* Borrowed entry whose key equals `key` and whose guards hold, or NULL.  Stale
+ * entries met on the way are removed. Never raises. */
+CacheEntry *cache_lookup(CacheBucket *bucket, const CallKey *key);
+
+/* Store `entry` under `key` (its data and pins move into the entry; `key` is left
+ * empty).  Entries with the same key that are stale are replaced. 0 / -1. */
+int cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key);
+
+/* Module-level read of a module's training flag, normalised to Py_True/Py_False.
+ * Borrowed result; NULL with an exception set on error. */
+PyObject *cache_read_training(PyObject *module);
+
+#endif

@@ -1,0 +1,58 @@
+"""Hands the C core the Python objects it needs; run once when nnscaler_eval is imported."""
+from __future__ import annotations
+
+import torch
+import torch.nn.modules.module as _module_mod
+
+from nnscaler_eval import _C
+from nnscaler_eval.runtime import ifexpr
+
+
+class _RewriteMode:
+    """The config object that arms a thread in rewrite mode (no capture)."""
+
+    def __repr__(self) -> str:
+        return "<nnscaler rewrite mode>"
+
+
+class _RunEagerly:
+    """What convert_frame returns when the frame should simply be evaluated."""
+
+    def __repr__(self) -> str:
+        return "<nnscaler run eagerly>"
+
+
+REWRITE_MODE = _RewriteMode()
+RUN_EAGERLY = _RunEagerly()
+
+GLOBAL_HOOK_DICT_NAMES = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+)
+
+
+def global_hook_dicts() -> tuple[dict, ...]:
+    return tuple(
+        getattr(_module_mod, name)
+        for name in GLOBAL_HOOK_DICT_NAMES
+        if isinstance(getattr(_module_mod, name, None), dict)
+    )
+
+
+def install() -> None:
+    from nnscaler_eval.convert_frame import convert_frame
+
+    _C.install(
+        ifexpr,
+        convert_frame,
+        REWRITE_MODE,
+        RUN_EAGERLY,
+        torch.nn.Module,
+        torch._C.TensorBase,
+        torch.is_grad_enabled,
+        global_hook_dicts(),
+    )

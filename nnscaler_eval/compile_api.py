@@ -1,0 +1,92 @@
+"""`nnscaler.compile`: modules in place, module classes, and plain functions."""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, Optional
+
+import torch
+
+from nnscaler_eval import _C
+from nnscaler_eval.config import CompileConfig
+
+
+def compile(
+    obj: Any = None,
+    *,
+    backend: Any = "eager",
+    fullgraph: bool = False,
+    skip_nnmodule_hook_guards: bool = False,
+    cache_size_limit: int = 8,
+) -> Any:
+    """Compile an `nn.Module` instance (in place; returns the same object), an
+    `nn.Module` subclass (every instance is compiled) or a plain function (returns a
+    wrapper).  Usable bare (`@nnscaler.compile`) or with arguments.
+
+    Each `forward` is captured into a torch.fx graph on its first call with a new
+    input signature, guarded, cached per code object and run by `backend` afterwards.
+    """
+    config = CompileConfig.create(backend, fullgraph, skip_nnmodule_hook_guards,
+                                  cache_size_limit)
+    if obj is None:
+        return functools.partial(_compile_with, config=config)
+    return _compile_with(obj, config=config)
+
+
+def _compile_with(obj: Any, config: CompileConfig) -> Any:
+    if isinstance(obj, torch.nn.Module):
+        install_on_module(obj, config)
+        return obj
+    if isinstance(obj, type):
+        if issubclass(obj, torch.nn.Module):
+            return _compile_class(obj, config)
+        raise TypeError(
+            f"nnscaler.compile(): {obj.__qualname__} is a class but not an nn.Module subclass"
+        )
+    if isinstance(obj, types.MethodType) and isinstance(obj.__func__, types.FunctionType):
+        return types.MethodType(_compile_function(obj.__func__, config), obj.__self__)
+    if isinstance(obj, types.FunctionType):
+        return _compile_function(obj, config)
+    if isinstance(obj, _C.CompiledFunction):
+        return _compile_function(obj._nnscaler_fn, config)
+    raise TypeError(
+        "nnscaler.compile() takes an nn.Module instance, an nn.Module subclass or a Python "
+        f"function; got {type(obj).__name__}"
+    )
+
+
+def install_on_module(module: torch.nn.Module, config: CompileConfig) -> None:
+    # nn.Module._wrapped_call_impl calls _compiled_call_impl in place of _call_impl
+    # (the hook torch's own Module.compile() uses); state_dict() is untouched.
+    module._compiled_call_impl = _C.ModuleCall(module, config)
+
+
+def _compile_function(fn: types.FunctionType, config: CompileConfig) -> Any:
+    compiled = _C.CompiledFunction(fn, config)
+    functools.update_wrapper(compiled, fn)
+    return compiled
+
+
+def _compile_class(cls: type, config: CompileConfig) -> type:
+    original_init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(original_init)
+    def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        install_on_module(self, config)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    return isinstance(module.__dict__.get("_compiled_call_impl"), _C.ModuleCall)
+
+
+def compiled_config(obj: Any) -> Optional[CompileConfig]:
+    if isinstance(obj, torch.nn.Module):
+        call = obj.__dict__.get("_compiled_call_impl")
+        return call.config if isinstance(call, _C.ModuleCall) else None
+    if isinstance(obj, _C.CompiledFunction):
+        return obj.config
+    return None

@@ -1,0 +1,199 @@
+"""The miss path: what happens, in Python, when the C evaluator finds no valid cache
+entry for a target frame.
+
+C calls `convert_frame(config, fn, code, self, slots, bucket)` with its hook
+suspended for this thread.  `fn` runs the frame's (rewritten) code; `slots` are the
+frame's bound arguments.  This runs the forward once under the capture tracer (its
+result *is* the call's result: side effects happen once), builds the guards and the
+runner, and returns `(result, CacheEntry)`; or `(RUN_EAGERLY, None)` to have C
+evaluate the frame as it is (cache limit reached, or our own failure before the
+forward ran).  Exceptions raised by the user's forward propagate unchanged.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from nnscaler_eval import _C, logs
+from nnscaler_eval._install import RUN_EAGERLY
+from nnscaler_eval.guard_builder import build_state_guards, describe_key
+
+# Code objects that own cache buckets, for reset().
+known_codes: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+_local = threading.local()
+
+
+@dataclass
+class EntryInfo:
+    """What `explain()` and the logs show of one cache entry."""
+    where: str                         # "Model.forward at file:line"
+    key: list[str]                     # the per-call key, in words
+    guards: list[str]                  # state guards, in words
+    graph_module: Optional[torch.fx.GraphModule]
+    fallback: Any                      # tracer.Fallback or None
+    backend: str
+    runner: Optional[Callable[..., Any]] = field(default=None, repr=False)
+
+    @property
+    def graph_code(self) -> str:
+        return self.graph_module.code if self.graph_module is not None else ""
+
+
+class _Collector:
+    """Collects EntryInfo of captures made on this thread (explain())."""
+
+    def __init__(self) -> None:
+        self.entries: list[EntryInfo] = []
+
+    def __enter__(self) -> "_Collector":
+        self._previous = getattr(_local, "collector", None)
+        _local.collector = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.collector = self._previous
+
+
+def collect_captures() -> _Collector:
+    return _Collector()
+
+
+def code_location(code: Any) -> str:
+    return f"{code.co_qualname} at {code.co_filename}:{code.co_firstlineno}"
+
+
+def slot_call(fn: Callable[..., Any], code: Any, slots: tuple) -> Callable[[], Any]:
+    """A zero-argument callable that runs `fn` with the frame's slots rebound."""
+    npos, nkw = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames
+    pos = slots[:npos]
+    kwonly = {names[npos + j]: slots[npos + j] for j in range(nkw)}
+    index = npos + nkw
+    varargs: tuple = ()
+    varkw: dict = {}
+    if code.co_flags & inspect.CO_VARARGS:
+        varargs = slots[index]
+        index += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        varkw = slots[index]
+    return lambda: fn(*pos, *varargs, **kwonly, **varkw)
+
+
+def _log_recapture(code: Any, bucket: Any, key: list[str]) -> None:
+    if not logs.recaptures.isEnabledFor(10) or not bucket.entries:
+        return
+    reasons = []
+    for entry in bucket.entries:
+        info = entry.info
+        failing = entry.check_verbose()
+        if info.key != key:
+            diffs = [f"{old} -> {new}" for old, new in zip(info.key, key) if old != new]
+            reasons.append("key changed: " + "; ".join(diffs))
+        elif failing is not None:
+            reasons.append(f"guard failed: {failing}")
+    logs.recaptures.debug("recapture of %s: %s", code_location(code),
+                          " | ".join(reasons) or "no entry matched")
+
+
+def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
+    if len(bucket.entries) < config.cache_size_limit:
+        return False
+    if not bucket.limit_warned:
+        bucket.limit_warned = 1
+        warnings.warn(
+            f"nnscaler: {code_location(code)} reached cache_size_limit="
+            f"{config.cache_size_limit} captures for one module; further new input "
+            f"signatures run eagerly. Raise it with nnscaler.compile(..., "
+            f"cache_size_limit=N) if the shapes are expected to vary.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return True
+
+
+def _compile_runner(config: Any, capture: Any, where: str) -> Callable[..., Any]:
+    if config.backend_fn is None:
+        return capture.make_runner()
+    try:
+        compiled = config.backend_fn(capture.graph_module, capture.example_inputs())
+    except Exception as exc:
+        if config.fullgraph:
+            raise RuntimeError(
+                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: {exc}"
+            ) from exc
+        warnings.warn(
+            f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
+            f"({type(exc).__name__}: {exc}); running the captured graph with the eager backend",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return capture.make_runner()
+    return capture.make_runner(compiled)
+
+
+def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+                  slots: tuple, bucket: Any) -> tuple[Any, Any]:
+    from nnscaler_eval import tracer
+
+    known_codes.add(code)
+    where = code_location(code)
+    slot_names = tuple(code.co_varnames[: len(slots)])
+    try:
+        if _over_limit(config, code, bucket):
+            return RUN_EAGERLY, None
+        key = describe_key(slot_names, slots, self is not None)
+        _log_recapture(code, bucket, key)
+    except Warning:
+        raise
+    except Exception as exc:  # our own failure: the frame runs as it is
+        warnings.warn(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
+                      "running it eagerly", RuntimeWarning, stacklevel=2)
+        return RUN_EAGERLY, None
+
+    capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
+                             call=slot_call(fn, code, slots))
+
+    try:
+        entry = _make_entry(config, capture, code, self, key, where)
+    except Exception as exc:
+        if config.fullgraph:
+            raise
+        # The forward already ran (its result stands); only caching is lost.
+        warnings.warn(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
+                      "this call's result is kept and the next call captures again",
+                      RuntimeWarning, stacklevel=2)
+        return capture.result, None
+    return capture.result, entry
+
+
+def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
+                where: str) -> Any:
+    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards)
+    if capture.fallback is not None:
+        logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
+        runner = None
+    else:
+        runner = _compile_runner(config, capture, where)
+        runner_code = getattr(runner, "__code__", None)
+        if runner_code is not None:
+            _C.mark_skip(runner_code)
+        if logs.graph.isEnabledFor(10):
+            logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
+    if logs.guards.isEnabledFor(10):
+        logs.guards.debug("guards of %s:\n  key: %s\n  state: %s", where, "; ".join(key),
+                          "; ".join(guards.names) or "none")
+    info = EntryInfo(where, key, guards.names, capture.graph_module, capture.fallback,
+                     config.backend_name, runner)
+    entry = _C.CacheEntry(runner, capture.training_inputs, guards.dicts, guards.flags,
+                          guards.names, info)
+    collector = getattr(_local, "collector", None)
+    if collector is not None:
+        collector.entries.append(info)
+    return entry

@@ -1,0 +1,140 @@
+"""Introspection: `cache_info`, `explain`, `reset`."""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+from nnscaler_eval import _C
+from nnscaler_eval.compile_api import compiled_config
+from nnscaler_eval.config import CompileConfig
+from nnscaler_eval.convert_frame import EntryInfo, collect_captures, known_codes
+
+
+class CacheInfo(NamedTuple):
+    captures: int   # graphs captured (recaptures included)
+    hits: int       # calls served by a cached graph
+    misses: int     # calls that found no valid entry
+    fallbacks: int  # calls run eagerly (graph break recorded, or cache limit reached)
+    entries: int    # entries in the cache now
+
+
+def _forward_code(module: torch.nn.Module) -> Any:
+    forward = module.__dict__.get("forward") or type(module).forward
+    forward = getattr(forward, "__func__", forward)
+    return getattr(forward, "__code__", None)
+
+
+def _buckets(obj: Any) -> Iterator[Any]:
+    """The cache buckets that belong to `obj` (a module and its submodules, or a
+    compiled function)."""
+    if isinstance(obj, torch.nn.Module):
+        seen: set[int] = set()
+        for module in obj.modules():
+            code = _forward_code(module)
+            if code is None:
+                continue
+            state = _C.code_state(code)
+            for bucket in (state or {}).get("buckets", []):
+                if bucket.self is module and id(bucket) not in seen:
+                    seen.add(id(bucket))
+                    yield bucket
+        return
+    fn = obj._nnscaler_fn if isinstance(obj, _C.CompiledFunction) else obj
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise TypeError(
+            f"nnscaler: expected an nn.Module or a (compiled) function, got {type(obj).__name__}"
+        )
+    state = _C.code_state(code)
+    for bucket in (state or {}).get("buckets", []):
+        if bucket.self is None:
+            yield bucket
+
+
+def cache_info(obj: Any) -> CacheInfo:
+    """Counters of `obj`'s compiled frames (for a module: summed over its submodules)."""
+    captures = hits = misses = fallbacks = entries = 0
+    for bucket in _buckets(obj):
+        captures += bucket.captures
+        hits += bucket.hits
+        misses += bucket.misses
+        fallbacks += bucket.fallbacks
+        entries += len(bucket.entries)
+    return CacheInfo(captures, hits, misses, fallbacks, entries)
+
+
+def reset() -> None:
+    """Forget every cache entry and counter."""
+    for code in list(known_codes):
+        _C.clear_cache(code)
+    known_codes.clear()
+
+
+@dataclass
+class ExplainReport:
+    """What one run captured: graphs (as code), their guards, and fallbacks."""
+    entries: list[EntryInfo]
+    result: Any = field(repr=False, default=None)
+
+    @property
+    def graphs(self) -> list[torch.fx.GraphModule]:
+        return [e.graph_module for e in self.entries if e.graph_module is not None]
+
+    @property
+    def guards(self) -> list[list[str]]:
+        return [e.key + e.guards for e in self.entries if e.graph_module is not None]
+
+    @property
+    def fallbacks(self) -> list[Any]:
+        return [e.fallback for e in self.entries if e.fallback is not None]
+
+    def __str__(self) -> str:
+        lines = [f"nnscaler.explain: {len(self.graphs)} graph(s), "
+                 f"{len(self.fallbacks)} fallback(s)"]
+        for i, entry in enumerate(self.entries):
+            if entry.graph_module is not None:
+                lines.append(f"\n--- graph {i}: {entry.where} (backend {entry.backend})")
+                lines.append(entry.graph_code.strip("\n"))
+                lines.append("  guards:")
+                lines += [f"    key  {g}" for g in entry.key]
+                lines += [f"    state {g}" for g in entry.guards]
+            else:
+                lines.append(f"\n--- fallback {i}: {entry.where}")
+                lines.append(f"  runs eagerly: {entry.fallback}")
+        return "\n".join(lines)
+
+
+def explain(obj: Any, *args: Any, **kwargs: Any) -> ExplainReport:
+    """Run `obj(*args, **kwargs)` once with fresh caches for `obj` and report what was
+    captured.  Caches of `obj` are cleared first (so that every graph is shown)."""
+    if not callable(obj):
+        raise TypeError(f"nnscaler.explain(): {type(obj).__name__} object is not callable")
+    _clear_obj(obj)
+    config = compiled_config(obj) or CompileConfig.create()
+    with collect_captures() as collector:
+        token = _C.arm(config) if compiled_config(obj) is None else None
+        try:
+            if isinstance(obj, types.FunctionType):
+                result = _C.CompiledFunction(obj, config)(*args, **kwargs)
+            else:
+                result = obj(*args, **kwargs)
+        finally:
+            if token is not None:
+                _C.disarm(token)
+    return ExplainReport(collector.entries, result)
+
+
+def _clear_obj(obj: Any) -> None:
+    if isinstance(obj, torch.nn.Module):
+        codes = {_forward_code(m) for m in obj.modules()}
+    else:
+        fn = obj._nnscaler_fn if isinstance(obj, _C.CompiledFunction) else obj
+        codes = {getattr(getattr(fn, "__func__", fn), "__code__", None)}
+    for code in codes:
+        if code is not None:
+            _C.clear_cache(code)

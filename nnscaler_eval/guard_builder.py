@@ -1,0 +1,112 @@
+"""From one capture to its guards (kinds 2 and 3 of DESIGN.md; kind 1, the per-call
+key, is computed in C from the call's arguments).
+
+State guards are dicts whose version the C entry snapshots: for every module the
+trace went through, its `_modules`, `_parameters` and `_buffers` (the module tree) and,
+unless `skip_nnmodule_hook_guards`, its hook dicts, plus the global hook dicts.
+Training flags the trace branched on are guarded by value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from nnscaler_eval._install import global_hook_dicts, GLOBAL_HOOK_DICT_NAMES
+
+TREE_DICTS = ("_modules", "_parameters", "_buffers")
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+@dataclass
+class StateGuards:
+    dicts: list[dict]
+    flags: list[tuple[torch.nn.Module, bool]]
+    names: list[str]          # dict guards first, then flag guards
+
+
+def module_names(root: Optional[torch.nn.Module]) -> dict[int, str]:
+    """id(module) -> a readable path from `root` ("self", "self.layers.0")."""
+    if root is None:
+        return {}
+    names: dict[int, str] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), "self" + ("." + name if name else ""))
+    return names
+
+
+def module_label(module: torch.nn.Module, names: dict[int, str]) -> str:
+    return names.get(id(module), f"<{type(module).__name__} at {id(module):#x}>")
+
+
+def build_state_guards(capture: Any, root: Optional[torch.nn.Module],
+                       skip_hook_guards: bool) -> StateGuards:
+    names = module_names(root)
+    guards = StateGuards([], [], [])
+    seen: set[int] = set()
+
+    def add_dict(d: Any, label: str) -> None:
+        if isinstance(d, dict) and id(d) not in seen:
+            seen.add(id(d))
+            guards.dicts.append(d)
+            guards.names.append(label)
+
+    modules = list(capture.visited_modules)
+    if root is not None and all(m is not root for m in modules):
+        modules.insert(0, root)
+    for module in modules:
+        label = module_label(module, names)
+        attrs = module.__dict__
+        for attr in TREE_DICTS:
+            add_dict(attrs.get(attr), f"{label}.{attr} ({type(module).__name__})")
+        if not skip_hook_guards:
+            for attr in HOOK_DICTS:
+                add_dict(attrs.get(attr), f"{label}.{attr} ({type(module).__name__})")
+    if not skip_hook_guards:
+        present = [n for n in GLOBAL_HOOK_DICT_NAMES
+                   if isinstance(getattr(torch.nn.modules.module, n, None), dict)]
+        for name, d in zip(present, global_hook_dicts()):
+            add_dict(d, f"torch.nn.modules.module.{name}")
+    seen_flags: set[int] = set()
+    for module, value in capture.branched_training:
+        if id(module) in seen_flags:
+            continue
+        seen_flags.add(id(module))
+        guards.flags.append((module, bool(value)))
+    for module, value in guards.flags:
+        guards.names.append(f"{module_label(module, names)}.training == {value}")
+    return guards
+
+
+def describe_value(value: Any, depth: int = 0) -> str:
+    """What the per-call key records of one argument, in words (for logs/explain)."""
+    if isinstance(value, torch.Tensor):
+        return (f"{type(value).__name__}({str(value.dtype).replace('torch.', '')}, "
+                f"{value.device}, shape={tuple(value.shape)}, stride={value.stride()}, "
+                f"requires_grad={value.requires_grad})")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if depth < 8 and type(value) in (tuple, list):
+        inner = ", ".join(describe_value(v, depth + 1) for v in value)
+        return f"({inner})" if type(value) is tuple else f"[{inner}]"
+    if depth < 8 and type(value) is dict:
+        inner = ", ".join(f"{k!r}: {describe_value(v, depth + 1)}" for k, v in value.items())
+        return "{" + inner + "}"
+    return f"<{type(value).__name__} object at {id(value):#x}>"
+
+
+def describe_key(slot_names: tuple[str, ...], slots: tuple, skip_self: bool) -> list[str]:
+    first = 1 if skip_self else 0
+    lines = [f"grad_mode: {torch.is_grad_enabled()}"]
+    lines += [f"{name}: {describe_value(value)}"
+              for name, value in zip(slot_names[first:], slots[first:])]
+    return lines

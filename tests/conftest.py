@@ -1,0 +1,37 @@
+"""Shared fixtures: every test starts with empty caches and a disarmed thread, and
+fails if it leaves the frame evaluator installed."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import nnscaler
+from nnscaler_eval import _C
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_slow = pytest.mark.skip(reason="slow: run with --run-slow (make leakcheck)")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    nnscaler.reset()
+    torch.manual_seed(0)
+    yield
+    nnscaler.reset()
+    gc.collect()
+    assert _C.current_config() is None, "test left this thread armed"
+    assert _C.armed_threads() == 0, "test left a thread armed"
+    assert _C.is_default_eval_frame(), "the frame evaluator is still installed"
