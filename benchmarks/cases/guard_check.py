@@ -1,0 +1,7 @@
+"""placeholder"""
+NAME = "guard_check"
+TITLE = "guard_check"
+
+
+def run(settings):
+    return []

@@ -1,0 +1,152 @@
+"""1. Hook tax: what pure-Python code that is never captured pays for the package.
+
+fib(20) (21,892 frames per call) and a nested-call workload (1,401 frames: functions,
+a constructor and a method).  Variants:
+- none: a subprocess with torch imported and nnscaler *not* imported (baseline);
+- imported: nnscaler imported and a compiled model alive in this process, code run
+  outside any compiled call (the hook should not even be installed);
+- armed (rewrite): inside `nnscaler.eval_frame.enable()`: every frame goes through
+  our C shim, which finds no target and defers to CPython;
+- armed (capture): inside `nnscaler.eval_frame.enable(backend="eager")`, same frames;
+- dynamo alive: a torch.compile'd model alive, code run outside it;
+- dynamo run-only: inside `torch._dynamo.run()` (Dynamo's callback installed, no
+  compilation), Dynamo's nearest equivalent of an armed region.
+Unit: ns per Python frame; ratio to "none".
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+
+from benchmarks import models
+from benchmarks.harness import Loop, NotAvailable, Row, Settings, Variant, measure
+from benchmarks.pyworkloads import WORKLOADS
+from benchmarks.variants import compile_variant, first_call, nnscaler_module
+
+NAME = "hook_tax"
+TITLE = "Hook tax on pure-Python code (ns per frame)"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Worker:
+    """The "none" subprocess (see benchmarks/hook_tax_worker.py)."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.hook_tax_worker"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        if ready != "ready":
+            self.close()
+            raise NotAvailable(f"hook-tax worker did not start (got {ready!r})")
+
+    def run(self, workload: str, n: int) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{workload}\t{n}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("hook-tax worker exited")
+        return float(line) * n   # seconds for the n iterations
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.stdin:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def _plain_loop(fn: Any) -> Loop:
+    def loop(n: int) -> Optional[float]:
+        for _ in range(n):
+            fn()
+        return None
+    return loop
+
+
+def run(settings: Settings) -> list[Row]:
+    rows: list[Row] = []
+    worker: Optional[Worker] = None
+    worker_error: Optional[Exception] = None
+    try:
+        worker = Worker()
+    except Exception as exc:
+        worker_error = exc
+
+    # Keep compiled models alive for the whole case (their caches, their hooks).
+    alive: dict[str, Any] = {}
+    model, (x,) = models.build("mlp", 2)
+    try:
+        ours = compile_variant(model, "ours")
+        first_call("ours", ours, lambda: ours(x))
+        alive["ours"] = ours
+    except Exception as exc:
+        alive["ours_error"] = exc
+    dyn = compile_variant(model, "dynamo")
+    dyn(x)
+    alive["dynamo"] = dyn
+
+    def armed(backend: Optional[str]) -> Any:
+        try:
+            nnscaler = nnscaler_module()
+            return nnscaler.eval_frame.enable() if backend is None else \
+                nnscaler.eval_frame.enable(backend=backend)
+        except NotAvailable:
+            raise
+        except Exception as exc:
+            raise NotAvailable(f"eval_frame.enable() failed: {exc}") from exc
+
+    for workload, (fn, frames) in WORKLOADS.items():
+        def none_setup(workload: str = workload) -> Loop:
+            if worker is None:
+                raise NotAvailable(f"subprocess failed: {worker_error}")
+            w = worker
+            return lambda n: w.run(workload, n)
+
+        def imported_setup(fn: Any = fn) -> Loop:
+            nnscaler_module()
+            return _plain_loop(fn)
+
+        def armed_setup(backend: Optional[str], fn: Any = fn) -> Loop:
+            nnscaler_module()
+            with armed(backend):
+                pass
+            return _plain_loop(fn)
+
+        def dynamo_run_only(fn: Any = fn) -> Loop:
+            import torch._dynamo
+            wrapped = torch._dynamo.run(fn)
+            return _plain_loop(wrapped)
+
+        variants = [
+            Variant("none", none_setup),
+            Variant("imported", imported_setup),
+            Variant("armed (rewrite)", lambda fn=fn: armed_setup(None, fn),
+                    context=lambda: armed(None)),
+            Variant("armed (capture)", lambda fn=fn: armed_setup("eager", fn),
+                    context=lambda: armed("eager")),
+            Variant("dynamo alive", lambda fn=fn: _plain_loop(fn)),
+            Variant("dynamo run-only", dynamo_run_only),
+        ]
+        measured = measure(NAME, workload, variants, settings, unit="ns", baseline="none",
+                           per_iteration=frames, params={"frames_per_call": frames})
+        for row in measured:
+            if row.variant == "imported" and "ours_error" in alive:
+                row.note = f"package imported, but no compiled model alive: {alive['ours_error']}"
+        rows += measured
+    if worker is not None:
+        worker.close()
+    del alive
+    torch._dynamo.reset()
+    return rows

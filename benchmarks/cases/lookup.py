@@ -1,0 +1,7 @@
+"""placeholder"""
+NAME = "lookup"
+TITLE = "lookup"
+
+
+def run(settings):
+    return []

@@ -1,0 +1,7 @@
+"""placeholder"""
+NAME = "memory"
+TITLE = "memory"
+
+
+def run(settings):
+    return []

@@ -1,0 +1,7 @@
+"""placeholder"""
+NAME = "recaptures"
+TITLE = "recaptures"
+
+
+def run(settings):
+    return []

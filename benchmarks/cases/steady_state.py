@@ -1,0 +1,7 @@
+"""placeholder"""
+NAME = "steady_state"
+TITLE = "steady_state"
+
+
+def run(settings):
+    return []

@@ -1,0 +1,331 @@
+"""The Markdown report and the PNG charts, from the JSON data of one run."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from benchmarks.variants import LABELS, ORDER
+
+UNIT_WORDS = {"us": "µs", "ns": "ns", "s": "s", "ms": "ms", "MiB": "MiB", "count": ""}
+
+# How each case is charted: the value plotted, log scale, and the y label.
+CHART_SPEC: dict[str, dict[str, Any]] = {
+    "hook_tax": {"value": "median", "log": False},
+    "per_call": {"value": "median", "log": True},
+    "guard_check": {"value": "median", "log": True},
+    "lookup": {"value": "median", "log": False, "line": "entries"},
+    "capture_time": {"value": "median", "log": True},
+    "recaptures": {"value": "median", "log": False},
+    "steady_state": {"value": "ratio", "log": False},
+    "memory": {"value": "median", "log": False},
+}
+
+
+def fmt(v: Optional[float]) -> str:
+    if v is None:
+        return "–"
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def one_line(row: Any) -> str:
+    r = row if isinstance(row, dict) else row.as_dict()
+    unit = UNIT_WORDS.get(r["unit"], r["unit"])
+    if r["status"] != "ok":
+        return f"{r['bench']:<34} {r['variant']:<22} {r['status']}: {r['error']}"
+    ratio = f"  x{r['ratio']:.2f}" if r.get("ratio") is not None else ""
+    return (f"{r['bench']:<34} {r['variant']:<22} {fmt(r['median']):>9} {unit} "
+            f"[{fmt(r['p10'])}..{fmt(r['p90'])}]{ratio}  (n={r['n']}, loops={r['loops']})")
+
+
+def _variant_order(rows: list[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r["variant"] not in seen:
+            seen.append(r["variant"])
+    known = [v for v in ORDER if v in seen]
+    return known + [v for v in seen if v not in known]
+
+
+def _benches(rows: list[dict]) -> list[str]:
+    out: list[str] = []
+    for r in rows:
+        if r["bench"] not in out:
+            out.append(r["bench"])
+    return out
+
+
+def cell(r: Optional[dict], with_spread: bool = True) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return "n/a"
+    text = fmt(r["median"])
+    if with_spread and r["n"] > 1 and r["p10"] is not None:
+        text += f" ({fmt(r['p10'])}–{fmt(r['p90'])})"
+    if r.get("ratio") is not None and r["variant"] != r.get("baseline"):
+        text += f" ×{r['ratio']:.2f}"
+    return text
+
+
+def wide_table(rows: list[dict]) -> str:
+    variants = _variant_order(rows)
+    index = {(r["bench"], r["variant"]): r for r in rows}
+    units = sorted({UNIT_WORDS.get(r["unit"], r["unit"]) for r in rows} - {""})
+    head = f"| {'/'.join(units) or 'value'} | " + " | ".join(variants) + " |"
+    lines = [head, "|" + "---|" * (len(variants) + 1)]
+    for bench in _benches(rows):
+        cells = [cell(index.get((bench, v))) for v in variants]
+        lines.append(f"| {bench} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def long_table(rows: list[dict]) -> str:
+    lines = ["| benchmark | variant | median | p10 | p90 | ratio | n | loops/repeat | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        unit = UNIT_WORDS.get(r["unit"], r["unit"])
+        if r["status"] != "ok":
+            lines.append(f"| {r['bench']} | {r['variant']} | {r['status']} | | | | | | "
+                         f"{_md(r['error'])} |")
+            continue
+        ratio = f"{r['ratio']:.3f} vs {r['baseline']}" if r.get("ratio") is not None else ""
+        lines.append(f"| {r['bench']} | {r['variant']} | {fmt(r['median'])} {unit} | "
+                     f"{fmt(r['p10'])} | {fmt(r['p90'])} | {ratio} | {r['n']} | {r['loops']} | "
+                     f"{_md(r.get('note') or '')} |")
+    return "\n".join(lines)
+
+
+def _md(text: Optional[str]) -> str:
+    return (text or "").replace("|", "\\|").replace("\n", " ")
+
+
+def unavailable(rows: list[dict]) -> list[str]:
+    """One line per distinct (variant, reason)."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            seen.setdefault((r["variant"], r["error"] or ""), []).append(r["bench"])
+    return [f"- **{v}** ({len(b)} figure(s), e.g. {b[0]}): {_md(e)}"
+            for (v, e), b in seen.items()]
+
+
+def find(data: dict, case: str, bench: str, variant: str) -> Optional[dict]:
+    for r in data["rows"]:
+        if r["case"] == case and r["bench"] == bench and r["variant"] == variant:
+            return r
+    return None
+
+
+def headline(data: dict) -> str:
+    """The few numbers worth reading first."""
+    lines = ["| figure | eager / baseline | Dynamo | ours | ours vs eager |",
+             "|---|---|---|---|---|"]
+
+    def val(r: Optional[dict]) -> str:
+        if r is None:
+            return "not run"
+        if r["status"] != "ok":
+            return "n/a"
+        return f"{fmt(r['median'])} {UNIT_WORDS.get(r['unit'], r['unit'])}".strip()
+
+    def ratio(r: Optional[dict]) -> str:
+        return f"×{r['ratio']:.2f}" if r and r["status"] == "ok" and r.get("ratio") else ""
+
+    for mode in ("no_grad", "grad"):
+        b = f"nn.Linear(8,8), {mode}"
+        e, d, o = (find(data, "per_call", b, v) for v in ("eager", "dynamo", "ours"))
+        if e or o:
+            over = ""
+            if e and o and e["status"] == o["status"] == "ok":
+                over = f"+{fmt(o['median'] - e['median'])} µs ({ratio(o)})"
+            lines.append(f"| per call, {b} | {val(e)} | {val(d)} | {val(o)} | {over} |")
+    for b in ("gpt12, batch 8, no_grad", "gpt12, batch 8, fwd+bwd",
+              "gpt12, batch 1, no_grad"):
+        e, d, o = (find(data, "steady_state", b, v) for v in ("eager", "dynamo", "ours"))
+        if e or o:
+            lines.append(f"| steady state, {b} | {val(e)} | {val(d)} | {val(o)} | {ratio(o)} |")
+    for v in ("imported", "armed (rewrite)"):
+        n = find(data, "hook_tax", "fib(20)", "none")
+        o = find(data, "hook_tax", "fib(20)", v)
+        d = find(data, "hook_tax", "fib(20)", "dynamo run-only" if v != "imported"
+                 else "dynamo alive")
+        if o:
+            lines.append(f"| hook tax, fib(20), {v} (per frame) | {val(n)} | {val(d)} "
+                         f"{ratio(d)} | {val(o)} | {ratio(o)} vs none |")
+    for b in ("depth 1, 1 input", "depth 12, 1 input", "depth 48, 1 input",
+              "depth 1, 16 inputs"):
+        d = find(data, "guard_check", b, "dynamo guard check")
+        o = find(data, "guard_check", b, "ours hit overhead")
+        do = find(data, "guard_check", b, "dynamo hit overhead")
+        if d or o:
+            lines.append(f"| guards, {b} | | check {val(d)}; hit overhead {val(do)} | "
+                         f"hit overhead {val(o)} | |")
+    return "\n".join(lines) if len(lines) > 2 else "(no headline figures in this run)"
+
+
+def markdown(data: dict, charts: list[str]) -> str:
+    meta = data["meta"]
+    out = [f"# nnscaler-eval benchmarks: {meta['date']} ({meta['mode']} run)", ""]
+    out += [
+        "| machine | |", "|---|---|",
+        f"| CPU | {meta['cpu_model']} |",
+        f"| cores / torch threads | {meta['cores']} / {meta['torch_num_threads']} |",
+        f"| memory | {meta.get('memory_gib')} GiB |",
+        f"| Python | {meta['python']} |",
+        f"| torch | {meta['torch']} |",
+        f"| platform | {meta['platform']} |",
+        f"| git commit | {meta['git_commit']} ({meta['git_branch']}"
+        f"{', dirty' if meta.get('git_dirty') else ''}) |",
+        f"| nnscaler | {meta.get('nnscaler')} |",
+        f"| load average at start / end | {meta.get('loadavg_start')} / "
+        f"{meta.get('loadavg_end')} |",
+        f"| run time | {meta['seconds']:.0f} s |",
+        "",
+        f"Every figure: median and p10–p90 over {meta['settings']['repeats']} interleaved "
+        f"repeats (variant order rotated every repeat); each repeat times a loop of at "
+        f"least {meta['settings']['min_time'] * 1000:.0f} ms unless a single iteration is "
+        "longer. Ratios divide medians measured in the same process (`×1.00` = as fast "
+        "as the baseline; higher is slower). Dynamo setting: "
+        f"{meta['dynamo_config']}.",
+        "",
+        "Variants: " + "; ".join(f"`{k}` = {v}" for k, v in LABELS.items()) + ".",
+        "",
+        "## Headline",
+        "",
+        headline(data),
+        "",
+    ]
+    for i, (name, case) in enumerate(data["cases"].items(), 1):
+        rows = [r for r in data["rows"] if r["case"] == name]
+        out += [f"## {i}. {case['title']}", ""]
+        doc = case.get("doc", "")
+        if doc:
+            out += [_quote(doc), ""]
+        out += [f"Time: {case['seconds']} s."]
+        if case.get("error"):
+            out += ["", f"**The case failed**: {_md(case['error'])}"]
+        if rows:
+            out += ["", wide_table(rows), ""]
+            for chart in charts:
+                if chart.startswith(f"{_stem(data)}-{name}"):
+                    out += [f"![{name}]({chart})", ""]
+            na = unavailable(rows)
+            if na:
+                out += ["Not available:", *na, ""]
+            notes = sorted({r["note"] for r in rows if r.get("note") and r["status"] == "ok"})
+            if notes:
+                out += ["Notes:", *[f"- {_md(n)}" for n in notes], ""]
+            out += ["<details><summary>all figures</summary>", "", long_table(rows), "",
+                    "</details>", ""]
+    return "\n".join(out) + "\n"
+
+
+def _quote(doc: str) -> str:
+    return "\n".join(("> " + line).rstrip() for line in doc.splitlines())
+
+
+def _stem(data: dict) -> str:
+    return data.get("stem", "")
+
+
+def charts(data: dict, out_dir: str, stem: str) -> list[str]:
+    """One PNG per case with figures; returns the file names (relative to out_dir)."""
+    data["stem"] = stem
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # charts are optional; the tables are the report
+        print(f"no charts: matplotlib unavailable ({exc})")
+        return []
+    names = []
+    for name, case in data["cases"].items():
+        rows = [r for r in data["rows"] if r["case"] == name and r["status"] == "ok"]
+        if not rows:
+            continue
+        spec = CHART_SPEC.get(name, {"value": "median", "log": False})
+        fig = _bar_chart(plt, rows, case["title"], spec)
+        file = f"{stem}-{name}.png"
+        fig.savefig(os.path.join(out_dir, file), dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        names.append(file)
+    return names
+
+
+COLORS = {"eager": "#7f7f7f", "dynamo": "#1f77b4", "aot_eager": "#17becf",
+          "inductor": "#9467bd", "ours": "#d62728", "ours-inductor": "#ff7f0e",
+          "none": "#7f7f7f"}
+
+
+def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
+    benches = _benches(rows)
+    variants = _variant_order(rows)
+    use_ratio = spec["value"] == "ratio"
+    n_b, n_v = len(benches), len(variants)
+    width = 0.8 / max(1, n_v)
+    fig_w = max(7.0, min(18.0, 1.2 + n_b * (0.25 + 0.16 * n_v)))
+    fig, ax = plt.subplots(figsize=(fig_w, 4.8))
+    index = {(r["bench"], r["variant"]): r for r in rows}
+    palette = plt.get_cmap("tab10")
+    for j, v in enumerate(variants):
+        xs, ys, lo, hi = [], [], [], []
+        for i, b in enumerate(benches):
+            r = index.get((b, v))
+            if r is None:
+                continue
+            if use_ratio:
+                if r.get("ratio") is None:
+                    continue
+                y = r["ratio"]
+                scale = y / r["median"] if r["median"] else 1.0
+                p10, p90 = r["p10"] * scale, r["p90"] * scale
+            else:
+                y, p10, p90 = r["median"], r["p10"], r["p90"]
+            xs.append(i - 0.4 + width * (j + 0.5))
+            ys.append(y)
+            lo.append(max(0.0, y - (p10 if p10 is not None else y)))
+            hi.append(max(0.0, (p90 if p90 is not None else y) - y))
+        color = COLORS.get(v, palette(j % 10))
+        ax.bar(xs, ys, width * 0.95, label=v, color=color,
+               yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=2,
+               error_kw={"elinewidth": 0.8, "ecolor": "black"})
+    ax.set_xticks(range(n_b))
+    ax.set_xticklabels(benches, rotation=30 if n_b > 4 else 0, ha="right" if n_b > 4 else "center",
+                       fontsize=8)
+    unit = UNIT_WORDS.get(rows[0]["unit"], rows[0]["unit"])
+    if use_ratio:
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_ylabel("time / eager time (lower is faster)")
+    else:
+        ax.set_ylabel(f"median ({unit})" if unit else "median")
+    if spec.get("log"):
+        ax.set_yscale("log")
+    ax.set_title(title + " — bars: median, whiskers: p10–p90", fontsize=10)
+    ax.legend(fontsize=8, ncol=min(6, n_v), loc="upper left", bbox_to_anchor=(0, -0.25)
+              if n_b > 4 else (0, -0.1))
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def write_latest(out_dir: str, stem: str) -> None:
+    """latest.md: a copy of the newest report (its image links work from the same
+    folder), with a line pointing at the dated files."""
+    src = os.path.join(out_dir, f"{stem}.md")
+    dst = os.path.join(out_dir, "latest.md")
+    with open(src) as f:
+        text = f.read()
+    with open(dst, "w") as f:
+        f.write(f"<!-- copy of {stem}.md; data in {stem}.json -->\n"
+                f"Newest run: [{stem}.md]({stem}.md), data [{stem}.json]({stem}.json).\n\n")
+        f.write(text)
