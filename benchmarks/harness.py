@@ -37,10 +37,14 @@ class Settings:
     max_loops: int = 1_000_000
     warmup: int = 3            # calls before calibration (captures and compiles happen here)
     inductor: bool = True      # run the Inductor variants
+    threads: int = 1           # torch intra-op threads (torch.set_num_threads)
 
     @classmethod
-    def create(cls, quick: bool, repeats: Optional[int] = None) -> "Settings":
+    def create(cls, quick: bool, repeats: Optional[int] = None,
+               threads: Optional[int] = None) -> "Settings":
         s = cls(quick=quick)
+        if threads is not None:
+            s.threads = threads
         if quick:
             s.min_time = 0.01
             s.inductor = False
@@ -129,18 +133,34 @@ def time_loop(loop: Loop, n: int) -> float:
 
 
 def calibrate(loop: Loop, settings: Settings) -> int:
-    """Iterations needed for one repeat to last at least `settings.min_time`."""
+    """Iterations needed for one repeat to last at least `settings.min_time`.  The
+    per-iteration time is the fastest of three trials (one stall from another process
+    must not shrink the loop), growing n until a trial lasts a tenth of min_time."""
     n = 1
     while True:
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            loop(n)
+            elapsed = time.perf_counter() - t0
+            best = min(best, elapsed)
+            if elapsed >= settings.min_time:
+                break          # one long trial is enough: iterations are slow anyway
+        if best >= settings.min_time / 10 or n >= settings.max_loops:
+            per_iteration = best / n
+            return max(1, min(settings.max_loops,
+                              math.ceil(settings.min_time / max(per_iteration, 1e-9))))
+        n = min(settings.max_loops, n * 10)
+
+
+def warm_up(loop: Loop, settings: Settings) -> None:
+    """Up to `settings.warmup` single calls; fewer when one call is already long (the
+    first call captures or compiles; a second one settles caches and allocators)."""
+    for i in range(settings.warmup):
         t0 = time.perf_counter()
-        loop(n)
-        elapsed = time.perf_counter() - t0
-        if elapsed >= settings.min_time or n >= settings.max_loops:
-            return n
-        if elapsed <= 0:
-            n *= 10
-        else:
-            n = min(settings.max_loops, max(n * 2, int(n * settings.min_time / elapsed * 1.2)))
+        loop(1)
+        if i >= 1 and time.perf_counter() - t0 > 4 * settings.min_time:
+            return
 
 
 @dataclasses.dataclass
@@ -168,7 +188,7 @@ def measure(case: str, bench: str, variants: Iterable[Variant], settings: Settin
         try:
             with v.context():
                 loop = v.setup()
-                loop(settings.warmup)           # captures / compiles happen here
+                warm_up(loop, settings)         # captures / compiles happen here
                 n = calibrate(loop, settings)
             loops[v.name] = (v, loop, n)
             row.loops = n
@@ -212,6 +232,21 @@ def set_ratios(rows: list[Row], baseline: Optional[str]) -> None:
         if base is not None and row.status == "ok" and base.median:
             row.ratio = row.median / base.median
             row.baseline = baseline
+
+
+def derive(minuend: Row, subtrahend: Row, variant: str, note: str) -> Row:
+    """A row whose samples are the per-repeat differences minuend - subtrahend (both
+    were timed in the same repeat, next to each other)."""
+    row = Row(minuend.case, minuend.bench, variant, minuend.unit, params=dict(minuend.params),
+              note=note)
+    if minuend.status != "ok" or subtrahend.status != "ok":
+        bad = minuend if minuend.status != "ok" else subtrahend
+        row.status = "not available"
+        row.error = f"{bad.variant}: {bad.error}"
+        return row
+    row.samples = [a - b for a, b in zip(minuend.samples, subtrahend.samples)]
+    row.loops = min(minuend.loops, subtrahend.loops)
+    return finish(row)
 
 
 def unavailable_rows(case: str, bench: str, variants: Iterable[str], unit: str,

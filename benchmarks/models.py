@@ -53,7 +53,7 @@ def multi_input_stack(depth: int, n_inputs: int, width: int = 8) -> nn.Module:
 
 
 class MLP(nn.Module):
-    def __init__(self, width: int = 256, hidden: int = 1024, depth: int = 3,
+    def __init__(self, width: int = 128, hidden: int = 512, depth: int = 3,
                  p: float = 0.1) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -143,7 +143,7 @@ def build(name: str, batch: int, seed: int = 0) -> tuple[nn.Module, tuple]:
     """A fresh model (deterministic weights) and its inputs for `batch`."""
     torch.manual_seed(seed)
     if name == "mlp":
-        return MLP(), (torch.randn(batch, 256),)
+        return MLP(), (torch.randn(batch, 128),)
     if name == "block":
         cfg = GPTConfig()
         return TransformerBlock(cfg), (torch.randn(batch, cfg.seq, cfg.dim),)
@@ -154,8 +154,8 @@ def build(name: str, batch: int, seed: int = 0) -> tuple[nn.Module, tuple]:
 
 
 MODEL_DESCRIPTIONS = {
-    "mlp": "MLP 256-1024-1024-1024-256, GELU, Dropout(0.1)",
-    "block": "one transformer block, dim 64, 4 heads, seq 32",
-    "gpt2": "small GPT, 2 layers, dim 64, 4 heads, seq 32, vocab 512",
-    "gpt12": "small GPT, 12 layers, dim 64, 4 heads, seq 32, vocab 512",
+    "mlp": "MLP 128-512-512-512-128, GELU, Dropout(0.1)",
+    "block": "one transformer block, dim 64, 4 heads, seq 16",
+    "gpt2": "small GPT, 2 layers, dim 64, 4 heads, seq 16, vocab 512",
+    "gpt12": "small GPT, 12 layers, dim 64, 4 heads, seq 16, vocab 512",
 }

@@ -24,6 +24,8 @@ CHART_SPEC: dict[str, dict[str, Any]] = {
 def fmt(v: Optional[float]) -> str:
     if v is None:
         return "–"
+    if float(v).is_integer() and abs(v) < 1e6:
+        return f"{int(v)}"
     a = abs(v)
     if a == 0:
         return "0"
@@ -69,7 +71,7 @@ def cell(r: Optional[dict], with_spread: bool = True) -> str:
     if r is None:
         return ""
     if r["status"] != "ok":
-        return "n/a"
+        return "skipped" if r["status"] == "skipped" else "n/a"
     text = fmt(r["median"])
     if with_spread and r["n"] > 1 and r["p10"] is not None:
         text += f" ({fmt(r['p10'])}–{fmt(r['p90'])})"
@@ -116,8 +118,16 @@ def unavailable(rows: list[dict]) -> list[str]:
     for r in rows:
         if r["status"] != "ok":
             seen.setdefault((r["variant"], r["error"] or ""), []).append(r["bench"])
-    return [f"- **{v}** ({len(b)} figure(s), e.g. {b[0]}): {_md(e)}"
+    return [f"- **{v}** ({len(b)} figure(s), e.g. {b[0]}), {rows_status(rows, v, b[0])}: "
+            f"{_md(e)}"
             for (v, e), b in seen.items()]
+
+
+def rows_status(rows: list[dict], variant: str, bench: str) -> str:
+    for r in rows:
+        if r["variant"] == variant and r["bench"] == bench:
+            return r["status"]
+    return "not available"
 
 
 def find(data: dict, case: str, bench: str, variant: str) -> Optional[dict]:
@@ -222,7 +232,7 @@ def markdown(data: dict, charts: list[str]) -> str:
                     out += [f"![{name}]({chart})", ""]
             na = unavailable(rows)
             if na:
-                out += ["Not available:", *na, ""]
+                out += ["Not available or skipped:", *na, ""]
             notes = sorted({r["note"] for r in rows if r.get("note") and r["status"] == "ok"})
             if notes:
                 out += ["Notes:", *[f"- {_md(n)}" for n in notes], ""]

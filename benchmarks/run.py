@@ -92,6 +92,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help=f"run only this case (repeatable): {', '.join(CASES)}")
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved repeats per figure (default 7)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: see benchmarks/README.md)")
     parser.add_argument("--out", default=RESULTS, help="results folder")
     parser.add_argument("--tag", default=None,
                         help="file name stem instead of the date (e.g. for test runs)")
@@ -105,7 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from benchmarks.harness import Row, Settings, error_text
     from benchmarks.variants import DYNAMO_CONFIG_NOTE, configure_dynamo
 
-    settings = Settings.create(args.quick, args.repeats)
+    settings = Settings.create(args.quick, args.repeats, args.threads)
+    torch.set_num_threads(settings.threads)
     configure_dynamo()
     torch.manual_seed(0)
     started = time.time()
@@ -142,6 +145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"   ({seconds:.1f} s)", flush=True)
         all_rows += rows
 
+    from benchmarks.cases._firstcall import close_shared
+    close_shared()
     meta["seconds"] = round(time.time() - started, 1)
     meta["loadavg_end"] = _loadavg()
     stem = args.tag or meta["date"] + ("-quick" if args.quick else "")
