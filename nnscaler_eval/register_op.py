@@ -60,6 +60,7 @@ import functools
 import inspect
 import sys
 import threading
+from types import FrameType
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
 from nnscaler_eval.op_annotation import (
@@ -138,7 +139,9 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
             raise TypeError(f"register_op() got multiple values for argument {key!r}")
         params[key] = value
     if "annotation" not in params:
-        raise TypeError(f"register_op() needs an annotation; {_USAGE}")
+        hint = (" (nnScaler's annotation functions, register_op(anno_fn), are not "
+                "supported)" if fn is not None else "")
+        raise TypeError(f"register_op() needs an annotation{hint}; {_USAGE}")
     text, name = params["annotation"], params.get("name")
     if not isinstance(text, str):
         if callable(text):
@@ -240,7 +243,7 @@ def _fx_tracer_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[An
         return None
     # The flag is process-wide: look for Tracer.trace on *this* thread's stack.
     trace_code = fx.Tracer.trace.__code__
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code is trace_code:
             return frame.f_locals.get("self")
@@ -315,7 +318,7 @@ def _describe(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None)
     name = _short_name(fn)
     text = f"{module}.{name}" if module else name
-    code = getattr(fn, "__code__", None)
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
     if code is not None:
         text += f" ({code.co_filename}:{code.co_firstlineno})"
     return text
