@@ -7,6 +7,13 @@
 from nnscaler import eval_frame, runtime
 from nnscaler_eval.compile_api import compile
 from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
+from nnscaler_eval.register_op import (
+    AnnotationError,
+    OpAnnotation,
+    parse_annotation,
+    register_op,
+    registered_ops,
+)
 from nnscaler_eval.rewrite import rewritten_code, rewritten_function, show_rewrite
 
 __all__ = [
@@ -21,4 +28,9 @@ __all__ = [
     "rewritten_code",
     "rewritten_function",
     "show_rewrite",
+    "register_op",
+    "registered_ops",
+    "parse_annotation",
+    "OpAnnotation",
+    "AnnotationError",
 ]

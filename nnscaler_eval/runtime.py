@@ -45,7 +45,9 @@ def _fx_tracer_for(*values: Any) -> Optional[Any]:
             return value.tracer
     from torch.fx import _symbolic_trace
 
-    if not _symbolic_trace.is_fx_tracing():
+    # is_fx_tracing() warns on torch 2.13 (it is also true under torch.export)
+    is_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing)
+    if not is_tracing():
         return None
     trace_code = fx.Tracer.trace.__code__
     frame = sys._getframe(2)

@@ -1,0 +1,382 @@
+"""nnscaler.compile end to end: outputs equal eager, guards, recaptures, fallbacks."""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nnscaler
+from models import MLP, Block, Branchy, ConvBN, ValueOnly
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def pair(model: nn.Module):
+    eager = copy.deepcopy(model)
+    return eager, nnscaler.compile(model)
+
+
+def same_seed_outputs(eager, compiled, *args, seed=123, **kwargs):
+    torch.manual_seed(seed)
+    a = eager(*args, **kwargs)
+    torch.manual_seed(seed)
+    b = compiled(*args, **kwargs)
+    return a, b
+
+
+@pytest.mark.parametrize("factory, shape", [(MLP, (4, 16)), (Block, (2, 8, 32)),
+                                            (ConvBN, (2, 3, 8, 8))])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_outputs_equal_eager(factory, shape, mode):
+    eager, model = pair(factory())
+    getattr(eager, mode)()
+    getattr(model, mode)()
+    x = torch.randn(*shape)
+    for _ in range(3):  # capture, then hits
+        a, b = same_seed_outputs(eager, model, x)
+        torch.testing.assert_close(a, b, **TOL)
+    info = nnscaler.cache_info(model)
+    assert info.captures >= 1 and info.hits >= 2
+
+
+def test_dropout_masks_match_eager_in_train():
+    eager, model = pair(Block(p=0.5).train())
+    x = torch.randn(2, 8, 32)
+    for _ in range(3):
+        a, b = same_seed_outputs(eager, model, x, seed=7)
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_batchnorm_running_stats_match_eager_after_training_steps():
+    eager, model = pair(ConvBN().train())
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_m = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(4, 3, 8, 8)
+        for m, opt in ((eager, opt_e), (model, opt_m)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for (n, a), (_, b) in zip(eager.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=n)
+    assert nnscaler.cache_info(model).captures == 1  # optimizer steps: no recapture
+
+
+def test_containers_and_shared_submodules():
+    shared = nn.Linear(4, 4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.mlist = nn.ModuleList([shared, nn.ReLU(), shared])
+            self.mdict = nn.ModuleDict({"a": nn.Linear(4, 4), "b": shared})
+
+        def forward(self, x, scale=None, *, extra=None):
+            for layer in self.mlist:
+                x = layer(x)
+            x = self.seq(x) + self.mdict["a"](x) + self.mdict["b"](x)
+            if scale is not None:
+                x = x * scale
+            out = {"y": x, "pair": (x.sum(), x.mean())}
+            if extra is not None:
+                out["extra"] = extra + 1
+            return out
+
+    eager, model = pair(Net())
+    x = torch.randn(3, 4)
+    for kwargs in ({}, {"scale": 2.0}, {"extra": torch.ones(1)}, {"scale": None, "extra": None}):
+        for _ in range(2):
+            a, b = eager(x, **kwargs), model(x, **kwargs)
+            torch.testing.assert_close(a, b, **TOL)
+    assert nnscaler.cache_info(model).hits >= 4
+
+
+def test_value_only_training_is_captured_once_across_100_toggles():
+    eager, model = pair(ValueOnly())
+    x = torch.randn(3, 4)
+    for i in range(100):
+        mode = "train" if i % 2 else "eval"
+        getattr(eager, mode)()
+        getattr(model, mode)()
+        a, b = same_seed_outputs(eager, model, x, seed=i)
+        torch.testing.assert_close(a, b, **TOL)
+    assert nnscaler.cache_info(model).captures == 1
+
+
+def test_branching_on_training_is_captured_twice_across_100_toggles():
+    eager, model = pair(Branchy())
+    x = torch.randn(3, 4)
+    for i in range(100):
+        mode = "train" if i % 2 else "eval"
+        getattr(eager, mode)()
+        getattr(model, mode)()
+        torch.testing.assert_close(eager(x), model(x), **TOL)
+    assert nnscaler.cache_info(model).captures == 2
+
+
+def test_frozen_batchnorm_in_eval_inside_training_model():
+    eager, model = pair(ConvBN().train())
+    eager.bn1.eval()
+    model.bn1.eval()
+    x = torch.randn(4, 3, 8, 8)
+    for _ in range(3):
+        torch.testing.assert_close(eager(x), model(x), **TOL)
+    torch.testing.assert_close(eager.bn2.running_mean, model.bn2.running_mean, **TOL)
+    torch.testing.assert_close(eager.bn1.running_mean, model.bn1.running_mean, **TOL)
+
+
+def test_forward_hook_added_later_runs_every_call_and_removal_restores():
+    eager, model = pair(MLP())
+    x = torch.randn(2, 16)
+    model(x)
+    seen = []
+
+    def hook(mod, inp, out):
+        seen.append(out.shape)
+        return out * 0
+
+    handles = [m.fc1.register_forward_hook(hook) for m in (eager, model)]
+    for _ in range(3):
+        torch.testing.assert_close(eager(x), model(x), **TOL)
+    assert len(seen) == 6  # three eager calls, three compiled calls
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(eager(x), model(x), **TOL)
+    assert len(seen) == 6
+
+
+def test_global_module_hook_runs_for_every_submodule_every_call():
+    model = nnscaler.compile(MLP())
+    x = torch.randn(2, 16)
+    model(x)
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, inp, out: calls.append(type(mod).__name__))
+    try:
+        model(x)
+        model(x)
+    finally:
+        handle.remove()
+    assert calls.count("Linear") == 4 and calls.count("MLP") == 2
+
+
+def test_skip_nnmodule_hook_guards_does_not_see_later_hooks():
+    model = nnscaler.compile(MLP(), skip_nnmodule_hook_guards=True)
+    x = torch.randn(2, 16)
+    model(x)
+    seen = []
+    model.fc1.register_forward_hook(lambda *a: seen.append(1))
+    model(x)
+    assert seen == []  # documented: hook dicts are not guarded
+    assert nnscaler.cache_info(model).captures == 1
+
+
+def test_replacing_submodule_or_parameter_is_noticed():
+    eager, model = pair(MLP())
+    x = torch.randn(2, 16)
+    model(x)
+    new = nn.Linear(16, 32)
+    eager.fc1 = copy.deepcopy(new)
+    model.fc1 = new
+    torch.testing.assert_close(eager(x), model(x), **TOL)
+    p = nn.Parameter(torch.randn(16, 32))
+    eager.fc2.weight = nn.Parameter(p.detach().clone())
+    model.fc2.weight = p
+    torch.testing.assert_close(eager(x), model(x), **TOL)
+    assert nnscaler.cache_info(model).captures == 3
+
+
+def test_gradients_equal_eager():
+    eager, model = pair(Block().train())
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    for _ in range(2):
+        a, b = same_seed_outputs(eager, model, x)
+        torch.manual_seed(0)
+        a.sum().backward()
+        b2 = model(x2) if False else None
+    torch.manual_seed(5)
+    ea = eager(x)
+    torch.manual_seed(5)
+    mb = model(x2)
+    ea.square().sum().backward()
+    mb.square().sum().backward()
+    for (n, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_shape_dtype_requires_grad_changes():
+    model = nnscaler.compile(MLP())
+    info = lambda: nnscaler.cache_info(model)  # noqa: E731
+    model(torch.randn(2, 16))
+    model(torch.randn(8, 16))
+    assert info().captures == 2
+    model(torch.randn(2, 16))
+    assert info().captures == 2 and info().hits == 1
+    model.double()
+    model(torch.randn(2, 16, dtype=torch.float64))
+    assert info().captures == 3
+    model.float()
+    model(torch.randn(2, 16, requires_grad=True))
+    assert info().captures == 4
+
+
+def test_cache_size_limit_four_with_ten_shapes():
+    eager, model = pair(MLP())
+    model = nnscaler.compile(model, cache_size_limit=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 11):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(eager(x), model(x), **TOL)
+    limit_warnings = [w for w in caught if "cache_size_limit" in str(w.message)]
+    assert len(limit_warnings) == 1
+    info = nnscaler.cache_info(model)
+    assert info.captures == 4 and info.fallbacks == 6
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = MLP(4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # the line a fallback names
+            return self.inner(x)
+        return -self.inner(x)
+
+
+def test_data_dependent_branch_falls_back_and_submodule_is_still_captured():
+    eager, model = pair(DataDependent())
+    pos, neg = torch.ones(2, 4), -torch.ones(2, 4)
+    for x in (pos, neg, pos, neg):
+        torch.testing.assert_close(eager(x), model(x), **TOL)
+    report = nnscaler.explain(model, pos)
+    assert len(report.fallbacks) == 1
+    fb = report.fallbacks[0]
+    assert fb.filename == __file__ and "x.sum() > 0" in open(__file__).read().splitlines()[fb.lineno - 1]
+    assert "data-dependent" in fb.reason or "bool" in fb.reason
+    assert nnscaler.cache_info(model.inner).captures >= 1
+    assert nnscaler.cache_info(model.inner).hits >= 1
+
+
+def test_fullgraph_raises_with_reason_and_location():
+    model = nnscaler.compile(DataDependent(), fullgraph=True)
+    with pytest.raises(Exception) as info:
+        model(torch.ones(2, 4))
+    assert "test_capture.py" in str(info.value)
+    # the library stays usable
+    ok = nnscaler.compile(MLP(4), fullgraph=True)
+    ok(torch.ones(2, 4))
+
+
+def test_exception_in_forward_names_user_line_and_next_call_works():
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y @ torch.ones(5, 5) if self.fail else y  # shape error on purpose
+
+    model = nnscaler.compile(Flaky())
+    with pytest.raises(RuntimeError) as info:
+        model(torch.ones(2, 4))
+    assert any(e.name == "forward" and e.path == __file__ for e in info.traceback)
+    model.fail = False
+    assert model(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_no_python_frame_of_this_project_on_a_hit():
+    model = nnscaler.compile(MLP())
+    x = torch.randn(2, 16)
+    model(x)
+    model(x)
+    frames = []
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            frames.append(frame.f_code.co_filename)
+
+    sys.setprofile(profiler)
+    try:
+        model(x)
+    finally:
+        sys.setprofile(None)
+    ours = [f for f in frames if "nnscaler_eval" in f or "/nnscaler/" in f]
+    assert ours == [], ours
+    assert nnscaler.cache_info(model).hits == 2
+
+
+def test_generators_recursion_and_threads():
+    model = nnscaler.compile(MLP(4))
+
+    def gen():
+        for i in range(3):
+            yield model(torch.ones(i + 1, 4))
+
+    assert [t.shape[0] for t in gen()] == [1, 2, 3]
+
+    errors = []
+    eager = copy.deepcopy(model)
+    eager._compiled_call_impl = None
+
+    def worker(k):
+        try:
+            for i in range(1000):
+                x = torch.full((1 + (i + k) % 3, 4), float(k))
+                torch.testing.assert_close(model(x), eager(x), **TOL)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:1]
+
+
+def test_compile_plain_function_and_enable_capture_mode():
+    @nnscaler.compile
+    def f(x, y):
+        return torch.sin(x) + y * 2
+
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(f(x, 1.5), torch.sin(x) + 3.0)
+    assert nnscaler.cache_info(f).captures == 1 and nnscaler.cache_info(f).hits == 2
+
+    m = MLP(4)
+    with nnscaler.eval_frame.enable(backend="eager"):
+        for _ in range(3):
+            m(torch.ones(2, 4))
+    assert nnscaler.cache_info(m).captures == 1
+
+
+def test_explain_report():
+    model = nnscaler.compile(Block().train())
+    report = nnscaler.explain(model, torch.randn(2, 8, 32))
+    text = str(report)
+    assert len(report.graphs) == 1 and "scaled_dot_product_attention" in text
+    assert "ifexpr" in text
+    assert any("shape=(2, 8, 32)" in g for g in report.guards[0])
+    assert report.fallbacks == []
+
+
+def test_recapture_logs_name_the_guard(caplog):
+    model = nnscaler.compile(MLP())
+    with caplog.at_level("DEBUG", logger="nnscaler.recaptures"):
+        model(torch.randn(2, 16))
+        model(torch.randn(3, 16))
+    assert any("(2, 16)" in r.message and "(3, 16)" in r.message for r in caplog.records)

@@ -1,0 +1,89 @@
+"""No leaks on the C paths: rewrite mode, newly rewritten code objects, cache hits,
+recaptures, and modules that die with entries in the cache."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import nnscaler
+from leakcheck import assert_flat
+
+
+class Drop(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = 0.25
+
+    def forward(self, x):
+        return x * self.p if self.training else x
+
+
+def test_rewrite_mode_calls_do_not_leak():
+    m = Drop().train()
+    x = 3.0
+
+    def workload():
+        with nnscaler.eval_frame.enable():
+            for _ in range(25_000):
+                m(x)
+
+    assert_flat(workload)  # 100,000 calls over the measured rounds
+
+
+def test_newly_rewritten_code_objects_do_not_leak():
+    src = "def f(self, x):\n    return x + {k} if self.training else x - {k}\n"
+    counter = iter(range(10**9))
+
+    def workload():
+        for _ in range(2_500):
+            ns: dict = {}
+            exec(src.format(k=next(counter)), ns)
+            code = ns["f"].__code__
+            nnscaler.rewritten_code(code)
+            with nnscaler.eval_frame.enable():
+                ns["f"](Drop().train(), 1)
+
+    assert_flat(workload)  # 10,000 fresh code objects rewritten and run
+
+
+def test_cache_hits_do_not_leak():
+    m = nnscaler.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    x = torch.randn(2, 4)
+
+    def workload():
+        with torch.no_grad():
+            for _ in range(25_000):
+                m(x)
+
+    assert_flat(workload)  # 100,000 hits
+    info = nnscaler.cache_info(m)
+    assert info.captures == 1 and info.hits >= 100_000
+
+
+def test_recaptures_do_not_leak():
+    m = nnscaler.compile(torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+
+    def workload():
+        for _ in range(250):
+            handle = m.register_forward_pre_hook(lambda mod, args: None)
+            handle.remove()  # the hook dict changed: the entry is stale
+            m(x)
+
+    assert_flat(workload)  # 1,000 recaptures
+    assert nnscaler.cache_info(m).entries == 1
+
+
+def test_dead_modules_release_their_cache_entries():
+    refs = []
+    for _ in range(20):
+        m = nnscaler.compile(torch.nn.Linear(64, 64))
+        m(torch.randn(1, 64))
+        refs.append(weakref.ref(m))
+        p = weakref.ref(m.weight)
+        del m
+        gc.collect()
+        assert p() is None, "a dead module's parameters are still held by the cache"
+    assert all(r() is None for r in refs)
