@@ -94,22 +94,52 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="interleaved repeats per figure (default 7)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: see benchmarks/README.md)")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help="seconds each timed loop lasts at least (default 0.05, quick 0.01)")
     parser.add_argument("--out", default=RESULTS, help="results folder")
     parser.add_argument("--tag", default=None,
                         help="file name stem instead of the date (e.g. for test runs)")
     parser.add_argument("--no-charts", action="store_true")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("PYTHONHASHSEED", "0")
+    import torch
+
+    from benchmarks.harness import Settings
+    from benchmarks.variants import configure_dynamo
+
+    settings = Settings.create(args.quick, args.repeats, args.threads)
+    if args.min_time is not None:
+        settings.min_time = args.min_time
+    saved = (torch.get_num_threads(), dynamo_limits())
+    torch.set_num_threads(settings.threads)
+    configure_dynamo()
+    try:
+        return _run(args, settings)
+    finally:   # leave the process as it was (the smoke test runs in pytest's process)
+        torch.set_num_threads(saved[0])
+        restore_dynamo_limits(saved[1])
+
+
+def dynamo_limits() -> tuple[int, int]:
+    import torch._dynamo
+
+    c = torch._dynamo.config
+    return c.recompile_limit, c.accumulated_recompile_limit
+
+
+def restore_dynamo_limits(limits: tuple[int, int]) -> None:
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit = limits
+
+
+def _run(args: argparse.Namespace, settings: Any) -> int:
     import torch
 
     from benchmarks import report
-    from benchmarks.harness import Row, Settings, error_text
-    from benchmarks.variants import DYNAMO_CONFIG_NOTE, configure_dynamo
+    from benchmarks.harness import Row, error_text
+    from benchmarks.variants import DYNAMO_CONFIG_NOTE, reset_all
 
-    settings = Settings.create(args.quick, args.repeats, args.threads)
-    torch.set_num_threads(settings.threads)
-    configure_dynamo()
     torch.manual_seed(0)
     started = time.time()
     meta = machine_info()
@@ -119,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "mode": "quick" if args.quick else "full",
         "settings": vars(settings),
         "dynamo_config": DYNAMO_CONFIG_NOTE,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "options": vars(args),
     })
     print(f"benchmarks ({meta['mode']}): {meta['cpu_model']}, {meta['cores']} cores, "
           f"torch {meta['torch']} ({meta['torch_num_threads']} threads), "
@@ -147,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from benchmarks.cases._firstcall import close_shared
     close_shared()
+    reset_all()
     meta["seconds"] = round(time.time() - started, 1)
     meta["loadavg_end"] = _loadavg()
     stem = args.tag or meta["date"] + ("-quick" if args.quick else "")
