@@ -1,6 +1,6 @@
 """Subprocess for the hook-tax case, "without the package": torch is imported (as in
 every other variant) but nnscaler is not.  Protocol on stdin/stdout, one line each:
-`<workload>\t<iterations>` -> seconds per iteration (the garbage collector off while
+`<workload>\t<iterations>\t<clock>` -> seconds per iteration (the garbage collector off while
 timing); `quit` ends it."""
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ def main() -> None:
         line = line.strip()
         if line == "quit" or not line:
             break
-        name, n_text = line.split("\t")
+        name, n_text, clock_name = line.split("\t")
+        clock = time.thread_time if clock_name == "thread" else time.perf_counter
         fn = WORKLOADS[name][0]
         n = int(n_text)
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(n):
             fn()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         gc.enable()
         print(repr(dt / n), flush=True)
 

@@ -52,6 +52,16 @@ def multi_input_stack(depth: int, n_inputs: int, width: int = 8) -> nn.Module:
     return cls(depth, width)
 
 
+def passthrough(n_inputs: int) -> nn.Module:
+    """A module whose forward(self, x0, ...) returns x0: the cost of calling a module
+    with n tensor arguments, and nothing else."""
+    names = [f"x{i}" for i in range(n_inputs)]
+    namespace: dict = {}
+    exec(compile(f"def forward(self, {', '.join(names)}):\n    return x0\n",
+                 f"<passthrough n{n_inputs}>", "exec"), namespace)
+    return type(f"Passthrough_n{n_inputs}", (nn.Module,), {"forward": namespace["forward"]})()
+
+
 class MLP(nn.Module):
     def __init__(self, width: int = 128, hidden: int = 512, depth: int = 3,
                  p: float = 0.1) -> None:

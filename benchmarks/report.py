@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from benchmarks.harness import CLOCK_WORDS
 from benchmarks.variants import LABELS, ORDER
 
 UNIT_WORDS = {"us": "µs", "ns": "ns", "s": "s", "ms": "ms", "MiB": "MiB", "count": ""}
@@ -12,7 +13,9 @@ UNIT_WORDS = {"us": "µs", "ns": "ns", "s": "s", "ms": "ms", "MiB": "MiB", "coun
 CHART_SPEC: dict[str, dict[str, Any]] = {
     "hook_tax": {"value": "median", "log": False},
     "per_call": {"value": "median", "log": True},
-    "guard_check": {"value": "median", "log": True},
+    "guard_check": {"value": "median", "log": True,
+                    "variants": ["dynamo guard check", "dynamo hit overhead",
+                                 "ours hit overhead", "nn.Module call overhead"]},
     "lookup": {"value": "median", "log": False, "line": "entries"},
     "capture_time": {"value": "median", "log": True},
     "recaptures": {"value": "median", "log": False},
@@ -202,6 +205,8 @@ def markdown(data: dict, charts: list[str]) -> str:
         f"{meta.get('loadavg_end')} |",
         f"| run time | {meta['seconds']:.0f} s |",
         "",
+        f"Clock: {CLOCK_WORDS.get(meta['settings'].get('clock', 'wall'))}; first calls "
+        "(capture time) are wall-clock. "
         f"Every figure: median and p10–p90 over {meta['settings']['repeats']} interleaved "
         f"repeats (variant order rotated every repeat); each repeat times a loop of at "
         f"least {meta['settings']['min_time'] * 1000:.0f} ms unless a single iteration is "
@@ -261,10 +266,13 @@ def charts(data: dict, out_dir: str, stem: str) -> list[str]:
         return []
     names = []
     for name, case in data["cases"].items():
-        rows = [r for r in data["rows"] if r["case"] == name and r["status"] == "ok"]
+        spec = CHART_SPEC.get(name, {"value": "median", "log": False})
+        rows = [r for r in data["rows"] if r["case"] == name and r["status"] == "ok"
+                and (r["variant"] in spec.get("variants", [r["variant"]]))]
+        if spec.get("log"):
+            rows = [r for r in rows if r["median"] and r["median"] > 0]
         if not rows:
             continue
-        spec = CHART_SPEC.get(name, {"value": "median", "log": False})
         fig = _bar_chart(plt, rows, case["title"], spec)
         file = f"{stem}-{name}.png"
         fig.savefig(os.path.join(out_dir, file), dpi=110, bbox_inches="tight")
@@ -273,9 +281,23 @@ def charts(data: dict, out_dir: str, stem: str) -> list[str]:
     return names
 
 
+# Ours in warm colours, everything else in cool ones, wherever a variant appears.
 COLORS = {"eager": "#7f7f7f", "dynamo": "#1f77b4", "aot_eager": "#17becf",
           "inductor": "#9467bd", "ours": "#d62728", "ours-inductor": "#ff7f0e",
-          "none": "#7f7f7f"}
+          "none": "#7f7f7f", "imported": "#e377c2", "armed (rewrite)": "#d62728",
+          "armed (capture)": "#ff7f0e", "dynamo alive": "#1f77b4",
+          "dynamo run-only": "#17becf", "dynamo guard check": "#17becf",
+          "dynamo hit overhead": "#1f77b4", "ours hit overhead": "#d62728",
+          "nn.Module call overhead": "#7f7f7f"}
+WARM = ["#d62728", "#ff7f0e", "#e377c2", "#8c564b"]
+COOL = ["#1f77b4", "#17becf", "#2ca02c", "#9467bd", "#bcbd22", "#7f7f7f"]
+
+
+def color_of(variant: str, index: int) -> str:
+    if variant in COLORS:
+        return COLORS[variant]
+    family = WARM if variant.startswith(("ours", "armed")) else COOL
+    return family[index % len(family)]
 
 
 def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
@@ -287,7 +309,6 @@ def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
     fig_w = max(7.0, min(18.0, 1.2 + n_b * (0.25 + 0.16 * n_v)))
     fig, ax = plt.subplots(figsize=(fig_w, 4.8))
     index = {(r["bench"], r["variant"]): r for r in rows}
-    palette = plt.get_cmap("tab10")
     for j, v in enumerate(variants):
         xs, ys, lo, hi = [], [], [], []
         for i, b in enumerate(benches):
@@ -306,7 +327,7 @@ def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
             ys.append(y)
             lo.append(max(0.0, y - (p10 if p10 is not None else y)))
             hi.append(max(0.0, (p90 if p90 is not None else y) - y))
-        color = COLORS.get(v, palette(j % 10))
+        color = color_of(v, j)
         ax.bar(xs, ys, width * 0.95, label=v, color=color,
                yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=2,
                error_kw={"elinewidth": 0.8, "ecolor": "black"})
@@ -322,8 +343,7 @@ def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
     if spec.get("log"):
         ax.set_yscale("log")
     ax.set_title(title + " — bars: median, whiskers: p10–p90", fontsize=10)
-    ax.legend(fontsize=8, ncol=min(6, n_v), loc="upper left", bbox_to_anchor=(0, -0.25)
-              if n_b > 4 else (0, -0.1))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
     return fig
 

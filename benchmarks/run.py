@@ -94,6 +94,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="interleaved repeats per figure (default 7)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: see benchmarks/README.md)")
+    parser.add_argument("--clock", choices=["thread", "wall"], default="thread",
+                        help="what timed loops measure (default: the thread's CPU time)")
     parser.add_argument("--min-time", type=float, default=None,
                         help="seconds each timed loop lasts at least (default 0.05, quick 0.01)")
     parser.add_argument("--out", default=RESULTS, help="results folder")
@@ -104,15 +106,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch
 
-    from benchmarks.harness import Settings
+    from benchmarks.harness import Settings, set_clock
     from benchmarks.variants import configure_dynamo
 
-    settings = Settings.create(args.quick, args.repeats, args.threads)
+    settings = Settings.create(args.quick, args.repeats, args.threads, args.clock)
     if args.min_time is not None:
         settings.min_time = args.min_time
     saved = (torch.get_num_threads(), dynamo_limits())
     torch.set_num_threads(settings.threads)
     configure_dynamo()
+    set_clock(settings.clock)
     try:
         return _run(args, settings)
     finally:   # leave the process as it was (the smoke test runs in pytest's process)

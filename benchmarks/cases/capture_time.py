@@ -7,14 +7,14 @@ is one forked child of a zygote that has already imported torch, Dynamo, Inducto
 nnscaler (imports are not counted for anyone) and warmed the runtime with an unrelated
 op; Inductor gets an empty cache directory (cold compile).  Unit: seconds for the
 first call; the ratio divides by eager's first call.  Inductor's cold compiles are
-slow on this machine, so they get fewer repeats (see n).
+slow on this machine, so they get fewer repeats (see n), and none for the GPT.
 """
 from __future__ import annotations
 
 from benchmarks.cases._firstcall import run_matrix
 from benchmarks.harness import Row, Settings, finish, set_ratios
 from benchmarks.models import MODEL_DESCRIPTIONS
-from benchmarks.variants import INDUCTOR, OURS_INDUCTOR, variant_names
+from benchmarks.variants import AOT_EAGER, INDUCTOR, OURS_INDUCTOR, variant_names
 
 NAME = "capture_time"
 TITLE = "Capture time: first call in a fresh process (s)"
@@ -23,9 +23,12 @@ TITLE = "Capture time: first call in a fresh process (s)"
 def plan(settings: Settings) -> tuple[list[str], list[str], dict]:
     if settings.quick:
         return ["mlp", "block"], variant_names(settings), {"default": 3}
+    # Cold Inductor compiles are slow on a 2-core machine (a trial run: MLP 17 s, block
+    # 37 s, 12-layer GPT 179 s for one train-mode first call): one repeat for the MLP
+    # and the block, none for the GPT; aot_eager on the GPT (~12 s) gets 3.
     return (["mlp", "block", "gpt12"], variant_names(settings),
-            {"default": settings.repeats, INDUCTOR: 3, OURS_INDUCTOR: 3,
-             (INDUCTOR, "gpt12"): 1, (OURS_INDUCTOR, "gpt12"): 1})
+            {"default": settings.repeats, INDUCTOR: 1, OURS_INDUCTOR: 1,
+             (AOT_EAGER, "gpt12"): 3, (INDUCTOR, "gpt12"): 0, (OURS_INDUCTOR, "gpt12"): 0})
 
 
 def run(settings: Settings) -> list[Row]:
@@ -62,6 +65,8 @@ def run(settings: Settings) -> list[Row]:
                                 "is slow on this machine")
             else:
                 row.status = "skipped"
+                row.error = ("a cold Inductor compile of this model took about 3 minutes "
+                             "in a trial run on this machine; left out of make bench")
             bench_rows.append(row)
         set_ratios(bench_rows, "eager")
         rows += bench_rows

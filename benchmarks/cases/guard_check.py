@@ -14,8 +14,10 @@ arguments (1, 4, 16), batch 1, no_grad.  What is timed, interleaved:
   frame, our C wrapper, the frame shim, the per-call key (XXH3), the state guards and
   dispatch.  There is no C-level timing hook for our guard check alone, so this is an
   upper bound on it;
-- nn.Module call overhead (eager): `m(*xs)` minus `type(m).forward(m, *xs)`, the part
-  of both hit overheads that is torch's own `__call__` machinery.
+- nn.Module call overhead (eager): for a module whose forward only returns x0,
+  `p(*xs)` minus `type(p).forward(p, *xs)`: the part of both hit overheads that is
+  torch's own `__call__` machinery (measured on an empty module so that the forward's
+  own cost, and its noise, stay out of the difference).
 Differences are per repeat (the two loops ran next to each other), then summarised.
 """
 from __future__ import annotations
@@ -82,9 +84,13 @@ def run(settings: Settings) -> list[Row]:
             state["eager"] = m
             return make_loop(m, *xs)
 
-        def eager_direct() -> Any:
-            m = state.get("eager") or copy.deepcopy(base)
-            return make_loop(type(m).forward, m, *xs)
+        empty = models.passthrough(n_inputs)
+
+        def empty_call() -> Any:
+            return make_loop(empty, *xs)
+
+        def empty_direct() -> Any:
+            return make_loop(type(empty).forward, empty, *xs)
 
         def dynamo_call() -> Any:
             c = compile_variant(base, "dynamo", dynamic=False)
@@ -136,7 +142,8 @@ def run(settings: Settings) -> list[Row]:
 
         variants = [
             Variant("eager", eager_call, context=torch.no_grad),
-            Variant("eager forward direct", eager_direct, context=torch.no_grad),
+            Variant("empty module call", empty_call, context=torch.no_grad),
+            Variant("empty forward direct", empty_direct, context=torch.no_grad),
             Variant("dynamo", dynamo_call, context=torch.no_grad),
             Variant("dynamo direct", dynamo_direct, context=torch.no_grad),
             Variant("dynamo guard check", dynamo_check, context=torch.no_grad),
@@ -147,9 +154,9 @@ def run(settings: Settings) -> list[Row]:
         params = {"depth": depth, "inputs": n_inputs}
         measured = {r.variant: r for r in measure(NAME, label, variants, settings, unit="us",
                                                    baseline="eager", params=params)}
-        module_call = derive(measured["eager"], measured["eager forward direct"],
-                             "nn.Module call overhead",
-                             "eager m(*xs) minus type(m).forward(m, *xs)")
+        module_call = derive(measured.pop("empty module call"),
+                             measured.pop("empty forward direct"), "nn.Module call overhead",
+                             "empty module: p(*xs) minus type(p).forward(p, *xs)")
         dyn = derive(measured["dynamo"], measured["dynamo direct"], "dynamo hit overhead",
                      "torch.compile'd call minus the entry's transformed code called directly")
         ours = derive(measured["ours"], measured["ours runner direct"], "ours hit overhead",

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Worker:
     """The "none" subprocess (see benchmarks/hook_tax_worker.py)."""
 
-    def __init__(self) -> None:
+    def _start(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
@@ -47,9 +47,13 @@ class Worker:
             self.close()
             raise NotAvailable(f"hook-tax worker did not start (got {ready!r})")
 
+    def __init__(self, clock: str) -> None:
+        self.clock = clock
+        self._start()
+
     def run(self, workload: str, n: int) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{workload}\t{n}\n")
+        self.proc.stdin.write(f"{workload}\t{n}\t{self.clock}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -80,7 +84,7 @@ def run(settings: Settings) -> list[Row]:
     worker: Optional[Worker] = None
     worker_error: Optional[Exception] = None
     try:
-        worker = Worker()
+        worker = Worker(settings.clock)
     except Exception as exc:
         worker_error = exc
 
