@@ -150,6 +150,15 @@ def time_loop(loop: Loop, n: int) -> float:
     return (own if own is not None else t1 - t0) / n
 
 
+def run_timed(loop: Loop, n: int) -> float:
+    """Seconds `loop(n)` took: its own figure when it times itself (another process),
+    else this thread's clock."""
+    t0 = _clock()
+    own = loop(n)
+    elapsed = _clock() - t0
+    return own if own is not None else elapsed
+
+
 def calibrate(loop: Loop, settings: Settings) -> int:
     """Iterations needed for one repeat to last at least `settings.min_time`.  The
     per-iteration time is the fastest of three trials (one stall from another process
@@ -158,9 +167,7 @@ def calibrate(loop: Loop, settings: Settings) -> int:
     while True:
         best = math.inf
         for _ in range(3):
-            t0 = _clock()
-            loop(n)
-            elapsed = _clock() - t0
+            elapsed = run_timed(loop, n)
             best = min(best, elapsed)
             if elapsed >= settings.min_time:
                 break          # one long trial is enough: iterations are slow anyway
@@ -175,9 +182,7 @@ def warm_up(loop: Loop, settings: Settings) -> None:
     """Up to `settings.warmup` single calls; fewer when one call is already long (the
     first call captures or compiles; a second one settles caches and allocators)."""
     for i in range(settings.warmup):
-        t0 = _clock()
-        loop(1)
-        if i >= 1 and _clock() - t0 > 4 * settings.min_time:
+        if run_timed(loop, 1) > 4 * settings.min_time and i >= 1:
             return
 
 

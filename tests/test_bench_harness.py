@@ -33,6 +33,17 @@ def test_measure_reports_unavailable_variants_and_keeps_the_others():
     assert "not available" in report.one_line(by_name["ours"])
 
 
+def test_loops_that_time_themselves_calibrate_on_their_own_figure():
+    # A loop run in another process returns its own seconds; this thread's CPU clock
+    # barely moves meanwhile, and calibration must not grow n without bound.
+    settings = Settings(repeats=2, min_time=0.01, warmup=1)
+    harness.set_clock("thread")
+    assert harness.calibrate(lambda n: n * 1e-3, settings) == 10
+    rows = measure("smoke", "remote", [Variant("eager", lambda: (lambda n: n * 1e-3))],
+                   settings, unit="ms")
+    assert rows[0].median == pytest.approx(1.0)
+
+
 def test_quantiles_and_derived_rows():
     assert harness.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     a = harness.finish(harness.Row("c", "b", "a", "us", samples=[5.0, 6.0, 7.0]))
