@@ -126,6 +126,17 @@ def unavailable(rows: list[dict]) -> list[str]:
             for (v, e), b in seen.items()]
 
 
+def unavailable_summary(rows: list[dict]) -> list[str]:
+    """Distinct reasons across all cases, with the cases they hit."""
+    seen: dict[tuple[str, str, str], set[str]] = {}
+    for r in rows:
+        if r["status"] != "ok":
+            key = (r["status"], r["variant"].split(" ")[0], r["error"] or "")
+            seen.setdefault(key, set()).add(r["case"])
+    return [f"- {status}, **{variant}**-family variants in {', '.join(sorted(cases))}: "
+            f"{_md(error)}" for (status, variant, error), cases in seen.items()]
+
+
 def rows_status(rows: list[dict], variant: str, bench: str) -> str:
     for r in rows:
         if r["variant"] == variant and r["bench"] == bench:
@@ -221,6 +232,9 @@ def markdown(data: dict, charts: list[str]) -> str:
         headline(data),
         "",
     ]
+    missing = unavailable_summary(data["rows"])
+    if missing:
+        out += ["## Not available or skipped in this run", "", *missing, ""]
     for i, (name, case) in enumerate(data["cases"].items(), 1):
         rows = [r for r in data["rows"] if r["case"] == name]
         out += [f"## {i}. {case['title']}", ""]
