@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval.runtime import ifexpr
+from nnscaler_eval.trace_patches import REAL_SET_GRAD_ENABLED
 
 # ---------------------------------------------------------------------------
 # What the tracer hands over
@@ -146,12 +147,13 @@ class _Namespace:
 
 
 def _target_hint(target: Any) -> str:
+    """`F_linear`, `torch_relu`, `STE_apply`: short, and never a local's name."""
     name = getattr(target, "__name__", None) or type(target).__name__
-    module = getattr(target, "__module__", None) or ""
-    prefix = _MODULE_PREFIXES.get(module)
-    if prefix is None:
-        prefix = module.rsplit(".", 1)[-1] if module else ""
-    return f"{prefix}_{name}" if prefix else name
+    prefix = _MODULE_PREFIXES.get(getattr(target, "__module__", None) or "")
+    if prefix is not None:
+        return f"{prefix}_{name}"
+    qualname = getattr(target, "__qualname__", None) or name
+    return "fn_" + qualname.replace("<locals>.", "").replace(".", "_")
 
 
 # ---------------------------------------------------------------------------
@@ -169,7 +171,7 @@ _UNARY_OPERATORS = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
 # Functions that only change global torch state; the runner restores that state if the
 # graph raises half-way (eager `with` blocks would have).
-_STATE_FUNCTIONS = (torch._C._set_grad_enabled,)
+_STATE_FUNCTIONS = (REAL_SET_GRAD_ENABLED,)
 _AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
@@ -276,8 +278,8 @@ class _RunnerWriter:
 
     def render_operand(self, arg: Any) -> str:
         text = self.render(arg)
-        # A constant operand such as -1 or 1e-05 needs parentheses to keep precedence.
-        if not isinstance(arg, fx.Node) and not text.isidentifier():
+        # A negative constant needs parentheses: `(-1) ** x` is not `-1 ** x`.
+        if text.startswith("-"):
             return f"({text})"
         return text
 
@@ -380,6 +382,11 @@ class _RunnerWriter:
                 else:
                     self.values[node] = self.bind(value, node.name)
 
+        def emitted(node: fx.Node) -> bool:
+            # An unused element of a tuple result is not worth a line.
+            return node.op in ("call_function", "call_method", "call_module") and not (
+                node.meta.get("nnscaler_unpack") and not node.users)
+
         # Values that die at a node: free them right after it, as eager would.
         dies_at: dict[fx.Node, list[fx.Node]] = {}
         for node in graph_nodes:
@@ -387,17 +394,15 @@ class _RunnerWriter:
                 node.op == "placeholder" and node.meta.get("nnscaler_input") is not None
                 and node.meta["nnscaler_input"].keys
             ):
-                users = [u for u in node.users if u.op != "output"]
-                if users and len(users) == len(node.users):
+                users = [u for u in node.users if emitted(u)]
+                if users and all(u.op != "output" for u in node.users):
                     last = max(users, key=position.__getitem__)
                     dies_at.setdefault(last, []).append(node)
 
         last_location = None
         for node in graph_nodes:
-            if node.op not in ("call_function", "call_method", "call_module"):
+            if not emitted(node):
                 continue
-            if node.meta.get("nnscaler_unpack") and not node.users:
-                continue  # an unused element of a tuple result
             location = node.meta.get("nnscaler_source")
             if location is not None and location != last_location:
                 body.append(_location_comment(location))
@@ -478,7 +483,7 @@ class _RunnerWriter:
                 if name is not None:
                     # Declared at the top (see below) so that the name is always bound.
                     lines.append(f"if {name} is not None: {exit_name}({name})")
-        grad = self.bind(torch._C._set_grad_enabled, "torch_C__set_grad_enabled")
+        grad = self.bind(REAL_SET_GRAD_ENABLED, "torch_C__set_grad_enabled")
         lines.append(f"{grad}({self.spec.entry_grad_mode!r})")
         return lines
 

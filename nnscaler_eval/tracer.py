@@ -40,6 +40,7 @@ import contextlib
 import itertools
 import operator
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -58,7 +59,7 @@ from nnscaler_eval.codegen import (
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.trace_state import set_current_tracer
 from nnscaler_eval.tracked_values import (
-    TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber,
+    TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber, plain_value, quiet_plain,
 )
 
 # ---------------------------------------------------------------------------
@@ -228,7 +229,7 @@ _DATA_ACCESS = {
 }
 # Calls executed but not recorded: the tracer records their effect (grad mode) by
 # comparing state before each op, which also sees changes made without a torch call.
-_STATE_CHANGES = frozenset({torch._C._set_grad_enabled})
+_STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED})
 
 # Tensor dunders -> (operator function, reflected?)
 _OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {}
@@ -255,6 +256,27 @@ for _dunder, _fn in [
 del _dunder, _fn
 
 
+def _tensor_attribute_names() -> dict[Any, str]:
+    """Function object -> its name on `torch.Tensor`.
+
+    Looked up by identity, not `__name__`: `Tensor.__pow__` is a wrapper of
+    `TensorBase.pow` named "pow", and several dunders are aliases of methods. Where
+    one function has several names, a plain method name wins (`x.abs()`), then a
+    dunder that is an operator.
+    """
+    names: dict[Any, str] = {}
+    for name in sorted(dir(torch.Tensor), key=lambda n: (n.startswith("__"), n not in _OPERATORS, n)):
+        try:
+            value = getattr(torch.Tensor, name)
+            names.setdefault(value, name)
+        except (AttributeError, TypeError):  # unhashable or odd class attributes
+            continue
+    return names
+
+
+_TENSOR_ATTRIBUTE_NAMES = _tensor_attribute_names()
+
+
 def _classify(func: Callable[..., Any]) -> tuple[str, Any]:
     """How a torch call is written in the graph.
 
@@ -269,10 +291,14 @@ def _classify(func: Callable[..., Any]) -> tuple[str, Any]:
         attr = getattr(descriptor, "__name__", None) or getattr(getattr(descriptor, "fget", None), "__name__", None)
         if attr is not None:
             return ("getattr" if name == "__get__" else "setattr"), attr
-    if name is not None and getattr(torch.Tensor, name, None) is func:
-        if name in _OPERATORS:
-            return "operator", name
-        return "method", name
+    try:
+        attribute = _TENSOR_ATTRIBUTE_NAMES.get(func)
+    except TypeError:  # unhashable callable
+        attribute = None
+    if attribute is not None:
+        if attribute in _OPERATORS:
+            return "operator", attribute
+        return "method", attribute
     return "function", func
 
 
@@ -306,27 +332,6 @@ def _holds_tensor(obj: Any) -> bool:
         return False
     return any(isinstance(v, torch.Tensor) or next(_tensors_in(v), None) is not None
                for v in attributes.values())
-
-
-def _quiet_plain(value: Any) -> Any:
-    """Flags and tracked numbers as plain values, recording nothing, containers too."""
-    if isinstance(value, TrainingFlag):
-        return value.value
-    if isinstance(value, _TrackedNumber):
-        return value.plain
-    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
-        items = [_quiet_plain(v) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        if isinstance(value, list):
-            return items
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        plain = {k: _quiet_plain(v) for k, v in value.items()}
-        if all(plain[k] is v for k, v in value.items()):
-            return value
-        return plain
-    return value
 
 
 def _has_call_hooks(module: nn.Module) -> bool:
@@ -630,12 +635,26 @@ class Tracer(TorchFunctionMode):
             if _is_number(true_value) and _is_number(false_value):
                 node = self._ifexpr_node(module, true_value, false_value)
                 deps = (module,) + _deps_of(true_value) + _deps_of(false_value)
-                return _tracked(_quiet_plain(chosen), node, _unique_modules(deps), self)
+                return _tracked(quiet_plain(chosen), node, _unique_modules(deps), self)
         except _RecordingAborted:
             return chosen
         # Anything else (None, strings, tensors of different shapes): specialise.
         self.note_branch(module, value)
         return chosen
+
+    def call_with_flags(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Record a C function that got a flag for a `bool` parameter (trace_patches).
+
+        Its argument parser would reject the flag before torch function dispatch, so
+        trace_patches routes such calls here: recorded with the flag as a graph input,
+        run with the plain bool.
+        """
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack or stack[-1] is not self:
+            # Another mode sits above ours; it would see a plain bool: specialise.
+            return function(*[plain_value(a) for a in args], **{k: plain_value(v) for k, v in kwargs.items()})
+        with torch.overrides._pop_mode_temporarily():
+            return self.__torch_function__(function, (), args, kwargs)
 
     def call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run `fn` for real as ONE graph node (ops registered with `register_op`)."""
@@ -646,7 +665,7 @@ class Tracer(TorchFunctionMode):
         except _RecordingAborted:
             return fn(*args, **kwargs)
         with self.suspended():
-            result = fn(*_quiet_plain(args), **_quiet_plain(kwargs))
+            result = fn(*quiet_plain(args), **quiet_plain(kwargs))
         inputs_have_tensors = next(_tensors_in((args, kwargs)), None) is not None
         deps = _unique_modules(_deps_of_args((args, kwargs)))
         try:
@@ -675,18 +694,20 @@ class Tracer(TorchFunctionMode):
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if not self.recording or func in _STATE_CHANGES:
-            return func(*_quiet_plain(args), **_quiet_plain(kwargs))
+        if not self.recording:
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if func in _STATE_CHANGES:  # e.g. set_grad_enabled(self.training): a branch
+            return func(*[plain_value(a) for a in args], **kwargs)
         kind, target = _classify(func)
         if kind == "method" and target in _DATA_ACCESS:
             self.graph_break(_DATA_ACCESS[target])
-            return func(*_quiet_plain(args), **_quiet_plain(kwargs))
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
         if (self._dynamic_shape and (target in _SHAPE_QUERIES or target is torch.numel)
                 and any(id(t) in self._dynamic_shape for t in _tensors_in(args))):
             self.graph_break(f"data-dependent shape: {_qualname(func)} of a tensor whose shape "
                              "depends on tensor values (nonzero, boolean mask, unique...)")
-            return func(*_quiet_plain(args), **_quiet_plain(kwargs))
-        result = func(*_quiet_plain(args), **_quiet_plain(kwargs))
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        result = func(*quiet_plain(args), **quiet_plain(kwargs))
         try:
             self._record_call(func, kind, target, args, kwargs, result)
         except _RecordingAborted:
@@ -755,7 +776,7 @@ class Tracer(TorchFunctionMode):
             first = next(iter(self.graph.nodes), None)
             where = self.graph.inserting_before(first) if first is not None else contextlib.nullcontext()
         with where:
-            node = self.graph.placeholder(name)
+            node = self.graph.placeholder(_identifier(name))
         self._last_placeholder = node
         return node
 
@@ -917,7 +938,7 @@ class Tracer(TorchFunctionMode):
             return call(module, *args, **kwargs)
         self._opaque[id(module)] = module
         with self.suspended(tuple(module.modules())):
-            result = call(module, *_quiet_plain(args), **_quiet_plain(kwargs))
+            result = call(module, *quiet_plain(args), **quiet_plain(kwargs))
         if not self.recording:
             return result
         outside = [v for v in pytree.tree_leaves(result)
@@ -952,7 +973,7 @@ class Tracer(TorchFunctionMode):
             raise _RecordingAborted
         mode = torch.is_grad_enabled()
         if mode != self._graph_grad_mode:
-            node = self.graph.call_function(torch._C._set_grad_enabled, (mode,))
+            node = self.graph.call_function(trace_patches.REAL_SET_GRAD_ENABLED, (mode,))
             node.meta["nnscaler_source"] = user_location()
             self._graph_grad_mode = mode
         for device in _AUTOCAST_DEVICES:
@@ -1063,6 +1084,12 @@ def _key_suffix(key: Any) -> str:
     if isinstance(key, pytree.GetAttrKey):
         return f"_{key.name}"
     return "_"
+
+
+def _identifier(name: str) -> str:
+    """`name` as a Python identifier (fx writes placeholders as parameters)."""
+    name = re.sub(r"\W+", "_", name).strip("_") or "input"
+    return f"_{name}" if name[0].isdigit() else name
 
 
 def _class_name(qualname: str) -> str:

@@ -127,6 +127,38 @@ _BY_PLAIN_TYPE: dict[str, Callable[..., Any]] = {
 }
 
 
+def quiet_plain(value: Any) -> Any:
+    """Flags and tracked numbers as plain values, recording nothing; containers too
+    (rebuilt only when something inside changed)."""
+    if isinstance(value, TrainingFlag):
+        return value.value
+    if isinstance(value, _TrackedNumber):
+        return value.plain
+    if isinstance(value, (tuple, list)):
+        items = [quiet_plain(v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        plain = {k: quiet_plain(v) for k, v in value.items()}
+        if all(plain[k] is v for k, v in value.items()):
+            return value
+        return plain
+    return value
+
+
+def holds_tracked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Is a flag or tracked number among the arguments (or one container deep)?"""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (TrainingFlag, _TrackedNumber)):
+            return True
+        if isinstance(value, (tuple, list)) and any(isinstance(v, (TrainingFlag, _TrackedNumber)) for v in value):
+            return True
+    return False
+
+
 def _specialising_method(base: type, name: str) -> Callable[..., Any]:
     base_method = _BY_PLAIN_TYPE.get(name) or getattr(base, name)
 
