@@ -144,6 +144,18 @@ def function_apply_target(cls: type) -> Callable[..., Any]:
     return target
 
 
+# torch.cond: eager torch.cond with a tensor predicate runs torch.compile, which must
+# not meet the tracer's TorchFunctionMode; the tracer decides what to do with it.
+_original_cond: Any = getattr(torch, "cond", None)
+
+
+def _cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: Any = ()) -> Any:
+    tracer = current_tracer()
+    if tracer is None or not hasattr(tracer, "trace_cond"):
+        return _original_cond(pred, true_fn, false_fn, operands)
+    return tracer.trace_cond(_original_cond, pred, true_fn, false_fn, operands)
+
+
 def _function_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is None:
@@ -177,6 +189,10 @@ def _install_flag_shims() -> None:
     torch._C._set_grad_enabled = _set_grad_enabled
     _original_function_apply = torch.autograd.Function.__dict__["apply"]
     torch.autograd.Function.apply = classmethod(_function_apply)  # type: ignore[method-assign,assignment]
+    global _original_cond
+    if getattr(torch, "cond", None) is not None:
+        _original_cond = torch.cond
+        torch.cond = _cond
     for name in _TRAINING_BOOL_FUNCTIONS:
         original = getattr(torch, name, None)
         if original is not None:
@@ -194,6 +210,8 @@ def _uninstall_flag_shims() -> None:
     global _original_vf, _flag_aware_vf
     if torch._C._set_grad_enabled is _set_grad_enabled:
         torch._C._set_grad_enabled = _original_set_grad_enabled
+    if getattr(torch, "cond", None) is _cond:
+        torch.cond = _original_cond
     apply = torch.autograd.Function.__dict__["apply"]
     if isinstance(apply, classmethod) and apply.__func__ is _function_apply:
         torch.autograd.Function.apply = _original_function_apply  # type: ignore[method-assign]

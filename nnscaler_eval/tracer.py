@@ -656,6 +656,26 @@ class Tracer(TorchFunctionMode):
         with torch.overrides._pop_mode_temporarily():
             return self.__torch_function__(function, (), args, kwargs)
 
+    def trace_cond(self, original: Callable[..., Any], pred: Any, true_fn: Callable[..., Any],
+                   false_fn: Callable[..., Any], operands: Any) -> Any:
+        """`torch.cond` under this tracer (trace_patches routes it here).
+
+        A Python predicate (a shape test, `self.training`) picks a branch in Python,
+        which is traced inline; a flag or tracked number specialises as any branch on
+        it does. A tensor predicate is not captured yet (it would need both branches
+        as subgraphs without running the untaken one): the frame falls back, and
+        torch.cond runs for real with this mode out of its way.
+        """
+        if not isinstance(pred, torch.Tensor) and self.recording:
+            return true_fn(*operands) if plain_value(pred) else false_fn(*operands)
+        if self.recording:
+            self.graph_break("torch.cond with a tensor predicate (not captured as one node yet)")
+        stack = torch.overrides._get_current_function_mode_stack()
+        if stack and stack[-1] is self:
+            with torch.overrides._pop_mode_temporarily():
+                return original(pred, true_fn, false_fn, operands)
+        return original(pred, true_fn, false_fn, operands)
+
     def call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run `fn` for real as ONE graph node (ops registered with `register_op`)."""
         if not self.recording:
@@ -1038,7 +1058,7 @@ class Tracer(TorchFunctionMode):
                 output=layout, entry_grad_mode=self._entry_grad_mode,
             )
         capture = Capture(
-            result=result,
+            result=_plain_result(result),
             graph_module=graph_module,
             fallback=self.fallback,
             training_inputs=list(self._training_inputs) if graph_module is not None else [],
@@ -1095,6 +1115,14 @@ def _identifier(name: str) -> str:
 def _class_name(qualname: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in qualname.replace("<", "").replace(">", "")
                    .replace(".", "_").split("_") if part) + "Graph"
+
+
+def _plain_result(result: Any) -> Any:
+    """The result as eager returns it: no flag or tracked number may leave the trace."""
+    leaves, spec = pytree.tree_flatten(result)
+    if not any(isinstance(leaf, (TrainingFlag, _TrackedNumber)) for leaf in leaves):
+        return result
+    return pytree.tree_unflatten([quiet_plain(leaf) for leaf in leaves], spec)
 
 
 def _is_number(value: Any) -> bool:

@@ -84,6 +84,7 @@ def assert_nothing_patched() -> None:
     assert torch.dropout is torch._C._VariableFunctions.dropout
     assert torch._VF.vf is torch._C._VariableFunctions
     assert torch.autograd.Function.__dict__["apply"].__func__.__module__ == "torch.autograd.function"
+    assert torch.cond is torch._higher_order_ops.cond
     assert current_tracer() is None
 
 
@@ -627,6 +628,20 @@ def test_tracked_number_used_in_python_specialises():
     assert cap.branched_training == [(model, True)]
 
 
+def test_flags_and_tracked_numbers_never_leave_the_trace():
+    class Net(nn.Module):
+        def forward(self, x):
+            return x * 2, self.training, ifexpr(self.training, 0.5, 0.0)
+
+    model = Net()
+    cap = trace(model, torch.ones(1))
+    _, training, p = cap.result
+    assert type(training) is bool and training is True
+    assert type(p) is float and p == 0.5
+    runner = cap.make_runner()
+    assert runner(model, torch.ones(1), False)[1:] == (False, 0.0)
+
+
 def test_ifexpr_with_unrecordable_values_specialises():
     class Net(nn.Module):
         def forward(self, x):
@@ -845,6 +860,24 @@ def test_module_state_writes_fall_back_and_happen_once():
 
     cap = trace(Appender(), torch.zeros(1))
     assert cap.fallback is not None and "history" in cap.fallback.reason
+
+
+def test_torch_cond_with_a_tensor_predicate_falls_back():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if torch.cond(x.dim() == 2, lambda t: t + 1, lambda t: t - 1, (x,)).dim() != 2:
+                raise AssertionError("a Python predicate picks its branch inline")
+            return torch.cond(x.sum() > 0, lambda t: self.fc(t) * 2, lambda t: self.fc(t) - 1, (x,))  # <cond>
+
+    model = Net()
+    x = torch.randn(2, 4)
+    cap = trace(model, x)
+    assert "torch.cond" in cap.fallback.reason and cap.fallback.lineno == line_of("cond")
+    assert_close(cap.result, model(x))
 
 
 def test_tensors_hidden_in_plain_objects_are_refused():
