@@ -559,10 +559,23 @@ def runner_source(spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = Non
     return source, writer.globals
 
 
+class _SourceLoader:
+    """`__loader__` of a runner's globals: lets `linecache.lazycache` (used by
+    traceback) find the source again after `linecache.clearcache()`."""
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+
+    def get_source(self, name: str) -> str:
+        return self._source
+
+
 def make_runner(spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
     """Compile the runner for `spec` (see module docstring)."""
     source, namespace = runner_source(spec, compiled)
     filename = _register_source(spec.name, source)
+    namespace["__name__"] = "nnscaler_eval.generated"
+    namespace["__loader__"] = _SourceLoader(source)
     exec(compile(source, filename, "exec"), namespace)
     runner = namespace["forward"]
     runner.__qualname__ = spec.name
