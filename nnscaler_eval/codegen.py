@@ -20,6 +20,7 @@ The source is registered with `linecache` under `<nnscaler graph Qual.name>`, so
 tracebacks and `inspect.getsource` show it; each block is preceded by a comment naming
 the user's line that produced it.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -32,7 +33,7 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union, cast
 
 import torch
 import torch.fx as fx
@@ -161,11 +162,25 @@ def _target_hint(target: Any) -> str:
 
 
 _BINARY_OPERATORS = {
-    operator.add: "+", operator.sub: "-", operator.mul: "*", operator.truediv: "/",
-    operator.floordiv: "//", operator.mod: "%", operator.pow: "**", operator.matmul: "@",
-    operator.and_: "&", operator.or_: "|", operator.xor: "^", operator.lshift: "<<",
-    operator.rshift: ">>", operator.eq: "==", operator.ne: "!=", operator.lt: "<",
-    operator.le: "<=", operator.gt: ">", operator.ge: ">=",
+    operator.add: "+",
+    operator.sub: "-",
+    operator.mul: "*",
+    operator.truediv: "/",
+    operator.floordiv: "//",
+    operator.mod: "%",
+    operator.pow: "**",
+    operator.matmul: "@",
+    operator.and_: "&",
+    operator.or_: "|",
+    operator.xor: "^",
+    operator.lshift: "<<",
+    operator.rshift: ">>",
+    operator.eq: "==",
+    operator.ne: "!=",
+    operator.lt: "<",
+    operator.le: "<=",
+    operator.gt: ">",
+    operator.ge: ">=",
 }
 _UNARY_OPERATORS = {operator.neg: "-", operator.pos: "+", operator.invert: "~"}
 
@@ -242,7 +257,9 @@ class _RunnerWriter:
             items = [f"{self.render_key(k)}: {self.render(v)}" for k, v in arg.items()]
             return "{" + ", ".join(items) + "}"
         if isinstance(arg, slice):
-            return f"slice({self.render(arg.start)}, {self.render(arg.stop)}, {self.render(arg.step)})"
+            return (
+                f"slice({self.render(arg.start)}, {self.render(arg.stop)}, {self.render(arg.step)})"
+            )
         if arg is Ellipsis:
             return "..."
         if isinstance(arg, (torch.dtype, torch.layout, torch.memory_format)):
@@ -250,7 +267,7 @@ class _RunnerWriter:
         if isinstance(arg, torch.device):
             return self.bind(arg, f"device_{arg}")
         if isinstance(arg, nn.Module):
-            raise AssertionError("modules reach the graph as get_attr / call_module nodes")
+            raise TypeError("modules reach the graph as get_attr / call_module nodes")
         return self.bind(arg, f"const_{type(arg).__name__}")
 
     def render_key(self, key: Any) -> str:
@@ -263,7 +280,9 @@ class _RunnerWriter:
 
         def one(item: Any) -> str:
             if isinstance(item, slice):
-                parts = ["" if p is None else self.render(p) for p in (item.start, item.stop, item.step)]
+                parts = [
+                    "" if p is None else self.render(p) for p in (item.start, item.stop, item.step)
+                ]
                 text = f"{parts[0]}:{parts[1]}"
                 return text + (f":{parts[2]}" if parts[2] else "")
             return self.render(item)
@@ -376,22 +395,25 @@ class _RunnerWriter:
                 self.values[node] = name
         for node in graph_nodes:
             if node.op == "get_attr":
-                value = self.spec.attr_values[node.target]
+                target = str(node.target)
+                value = self.spec.attr_values[target]
                 if isinstance(value, nn.Module):
-                    self.values[node] = self.module_expr(node.target)
+                    self.values[node] = self.module_expr(target)
                 else:
                     self.values[node] = self.bind(value, node.name)
 
         def emitted(node: fx.Node) -> bool:
             # An unused element of a tuple result is not worth a line.
             return node.op in ("call_function", "call_method", "call_module") and not (
-                node.meta.get("nnscaler_unpack") and not node.users)
+                node.meta.get("nnscaler_unpack") and not node.users
+            )
 
         # Values that die at a node: free them right after it, as eager would.
         dies_at: dict[fx.Node, list[fx.Node]] = {}
         for node in graph_nodes:
             if node.op in ("call_function", "call_method", "call_module") or (
-                node.op == "placeholder" and node.meta.get("nnscaler_input") is not None
+                node.op == "placeholder"
+                and node.meta.get("nnscaler_input") is not None
                 and node.meta["nnscaler_input"].keys
             ):
                 users = [u for u in node.users if emitted(u)]
@@ -414,7 +436,7 @@ class _RunnerWriter:
             body.append(statement)
 
         output = next(n for n in reversed(graph_nodes) if n.op == "output")
-        results = output.args[0]
+        results = cast(tuple, output.args[0])
         return self.output_expr(lambda i: self.render(results[i]))
 
     def statement(self, node: fx.Node) -> str:
@@ -464,7 +486,8 @@ class _RunnerWriter:
     @staticmethod
     def _touches_global_state(graph_nodes: list[fx.Node]) -> bool:
         return any(
-            n.op == "call_function" and (n.target in _STATE_FUNCTIONS or n.target is _AUTOCAST_ENTER)
+            n.op == "call_function"
+            and (n.target in _STATE_FUNCTIONS or n.target is _AUTOCAST_ENTER)
             for n in graph_nodes
         )
 
@@ -475,7 +498,9 @@ class _RunnerWriter:
         ones whose variable is still set); then grad mode goes back to its entry value.
         """
         lines: list[str] = []
-        contexts = [n for n in graph_nodes if n.op == "call_function" and n.target is _AUTOCAST_ENTER]
+        contexts = [
+            n for n in graph_nodes if n.op == "call_function" and n.target is _AUTOCAST_ENTER
+        ]
         if contexts:
             exit_name = self.bind(_AUTOCAST_EXIT, "autocast_exit")
             for ctx in reversed(contexts):
@@ -527,10 +552,15 @@ def _location_comment(location: tuple[str, int]) -> str:
     return f"{text}: {code}" if code else text
 
 
-def _declare_autocast_contexts(source_lines: list[str], writer: _RunnerWriter, graph: fx.Graph) -> None:
+def _declare_autocast_contexts(
+    source_lines: list[str], writer: _RunnerWriter, graph: fx.Graph
+) -> None:
     """Bind every autocast context variable to None first, for the except block."""
-    names = [writer.values[n] for n in graph.nodes
-             if n.op == "call_function" and n.target is _AUTOCAST_ENTER and n in writer.values]
+    names = [
+        writer.values[n]
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is _AUTOCAST_ENTER and n in writer.values
+    ]
     if names:
         source_lines.insert(1, "    " + " = ".join(names) + " = None")
 
@@ -547,7 +577,9 @@ def _register_source(name: str, source: str) -> str:
     return filename
 
 
-def runner_source(spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None) -> tuple[str, dict[str, Any]]:
+def runner_source(
+    spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None
+) -> tuple[str, dict[str, Any]]:
     """The runner's source text and the globals it needs."""
     writer = _RunnerWriter(spec, compiled)
     source = writer.write()
@@ -570,13 +602,15 @@ class _SourceLoader:
         return self._source
 
 
-def make_runner(spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+def make_runner(
+    spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None
+) -> Callable[..., Any]:
     """Compile the runner for `spec` (see module docstring)."""
     source, namespace = runner_source(spec, compiled)
     filename = _register_source(spec.name, source)
     namespace["__name__"] = "nnscaler_eval.generated"
     namespace["__loader__"] = _SourceLoader(source)
-    exec(compile(source, filename, "exec"), namespace)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     runner = namespace["forward"]
     runner.__qualname__ = spec.name
     # The source stays visible for as long as the runner exists.

@@ -22,6 +22,7 @@ The wrappers call back into the thread's tracer through a small protocol:
 Known gap: other C callables with a `bool` parameter (`x.requires_grad_(self.training)`)
 still raise TypeError when handed a flag.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -73,7 +74,9 @@ def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
 def _print(*args: Any, **kwargs: Any) -> None:
     tracer = _tracing_tracer()
     if tracer is not None:
-        tracer.on_python_side_effect("print() (a Python side effect that replaying the graph would lose)")
+        tracer.on_python_side_effect(
+            "print() (a Python side effect that replaying the graph would lose)"
+        )
     _original_print(*args, **kwargs)
 
 
@@ -87,10 +90,24 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
 # C functions with a `train` / `training` bool that torch.nn or user code calls
 # directly: in `torch` and in `torch._VF` (which nn.RNN uses).
 _TRAINING_BOOL_FUNCTIONS = (
-    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout",
-    "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
-    "batch_norm", "instance_norm", "native_batch_norm", "lstm", "gru", "rnn_tanh",
-    "rnn_relu", "rrelu", "rrelu_",
+    "dropout",
+    "dropout_",
+    "feature_dropout",
+    "feature_dropout_",
+    "alpha_dropout",
+    "alpha_dropout_",
+    "feature_alpha_dropout",
+    "feature_alpha_dropout_",
+    "native_dropout",
+    "batch_norm",
+    "instance_norm",
+    "native_batch_norm",
+    "lstm",
+    "gru",
+    "rnn_tanh",
+    "rnn_relu",
+    "rrelu",
+    "rrelu_",
 )
 
 
@@ -149,7 +166,9 @@ def function_apply_target(cls: type) -> Callable[..., Any]:
 _original_cond: Any = getattr(torch, "cond", None)
 
 
-def _cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: Any = ()) -> Any:
+def _cond(
+    pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: Any = ()
+) -> Any:
     tracer = current_tracer()
     if tracer is None or not hasattr(tracer, "trace_cond"):
         return _original_cond(pred, true_fn, false_fn, operands)
@@ -168,8 +187,11 @@ class _FlagAwareVariableFunctions:
 
     def __init__(self, functions: Any) -> None:
         self._functions = functions
-        self._wrapped = {name: _flag_aware(getattr(functions, name))
-                         for name in _TRAINING_BOOL_FUNCTIONS if hasattr(functions, name)}
+        self._wrapped = {
+            name: _flag_aware(getattr(functions, name))
+            for name in _TRAINING_BOOL_FUNCTIONS
+            if hasattr(functions, name)
+        }
 
     def __getattr__(self, name: str) -> Any:
         wrapped = self._wrapped.get(name)
@@ -186,7 +208,7 @@ _flag_aware_vf: Optional[_FlagAwareVariableFunctions] = None
 def _install_flag_shims() -> None:
     global _original_set_grad_enabled, _original_vf, _flag_aware_vf, _original_function_apply
     _original_set_grad_enabled = torch._C._set_grad_enabled
-    torch._C._set_grad_enabled = _set_grad_enabled
+    torch._C._set_grad_enabled = _set_grad_enabled  # type: ignore[assignment]
     _original_function_apply = torch.autograd.Function.__dict__["apply"]
     torch.autograd.Function.apply = classmethod(_function_apply)  # type: ignore[method-assign,assignment]
     global _original_cond
@@ -201,15 +223,15 @@ def _install_flag_shims() -> None:
             setattr(torch, name, _flag_aware_torch_functions[name])
     vf_module = sys.modules.get("torch._VF")
     if vf_module is not None and hasattr(vf_module, "vf"):
-        _original_vf = vf_module.vf
+        _original_vf = vf_module.vf  # type: ignore[attr-defined]
         _flag_aware_vf = _FlagAwareVariableFunctions(_original_vf)
-        vf_module.vf = _flag_aware_vf
+        vf_module.vf = _flag_aware_vf  # type: ignore[attr-defined]
 
 
 def _uninstall_flag_shims() -> None:
     global _original_vf, _flag_aware_vf
     if torch._C._set_grad_enabled is _set_grad_enabled:
-        torch._C._set_grad_enabled = _original_set_grad_enabled
+        torch._C._set_grad_enabled = _original_set_grad_enabled  # type: ignore[assignment]
     if getattr(torch, "cond", None) is _cond:
         torch.cond = _original_cond
     apply = torch.autograd.Function.__dict__["apply"]
@@ -221,8 +243,12 @@ def _uninstall_flag_shims() -> None:
     _original_torch_functions.clear()
     _flag_aware_torch_functions.clear()
     vf_module = sys.modules.get("torch._VF")
-    if vf_module is not None and _flag_aware_vf is not None and getattr(vf_module, "vf", None) is _flag_aware_vf:
-        vf_module.vf = _original_vf
+    if (
+        vf_module is not None
+        and _flag_aware_vf is not None
+        and getattr(vf_module, "vf", None) is _flag_aware_vf
+    ):
+        vf_module.vf = _original_vf  # type: ignore[attr-defined]
     _original_vf = _flag_aware_vf = None
 
 
@@ -242,7 +268,7 @@ def install() -> None:
             _original_print = builtins.print
             _original_breakpointhook = sys.breakpointhook
             nn.Module.__call__ = _module_call  # type: ignore[method-assign]
-            nn.Module.__setattr__ = _module_setattr  # type: ignore[method-assign]
+            nn.Module.__setattr__ = _module_setattr  # type: ignore[method-assign,assignment]
             builtins.print = _print
             sys.breakpointhook = _breakpointhook
             _install_flag_shims()
@@ -263,7 +289,7 @@ def uninstall() -> None:
         if nn.Module.__call__ is _module_call:
             nn.Module.__call__ = _original_module_call  # type: ignore[method-assign]
         if nn.Module.__setattr__ is _module_setattr:
-            nn.Module.__setattr__ = _original_module_setattr  # type: ignore[method-assign]
+            nn.Module.__setattr__ = _original_module_setattr  # type: ignore[method-assign,assignment]
         if builtins.print is _print:
             builtins.print = _original_print
         if sys.breakpointhook is _breakpointhook:

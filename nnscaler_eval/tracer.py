@@ -34,6 +34,7 @@ is not being recorded.
 
 Known limits are listed in `Capture`'s docstring.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +44,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -54,12 +55,22 @@ from torch.overrides import TorchFunctionMode
 
 from nnscaler_eval import codegen, trace_patches
 from nnscaler_eval.codegen import (
-    ConstantOutput, GraphOutput, InputPath, OutputLayout, RunnerSpec, SlotOutput,
+    ConstantOutput,
+    GraphOutput,
+    InputPath,
+    OutputLayout,
+    RunnerSpec,
+    SlotOutput,
 )
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.trace_state import set_current_tracer
 from nnscaler_eval.tracked_values import (
-    TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber, plain_value, quiet_plain,
+    TrackedFloat,
+    TrackedInt,
+    TrainingFlag,
+    _TrackedNumber,
+    plain_value,
+    quiet_plain,
 )
 
 # ---------------------------------------------------------------------------
@@ -82,7 +93,9 @@ class GraphBreakError(RuntimeError):
     """Raised instead of falling back when the caller asked for `fullgraph=True`."""
 
     def __init__(self, fallback: Fallback) -> None:
-        super().__init__(f"cannot capture the whole forward in one graph (fullgraph=True): {fallback}")
+        super().__init__(
+            f"cannot capture the whole forward in one graph (fullgraph=True): {fallback}"
+        )
         self.fallback = fallback
 
 
@@ -124,7 +137,9 @@ class Capture:
         rebuilds the output structure.
         """
         if self.runner_spec is None:
-            raise RuntimeError(f"this capture fell back to eager ({self.fallback}); it has no graph to run")
+            raise RuntimeError(
+                f"this capture fell back to eager ({self.fallback}); it has no graph to run"
+            )
         return codegen.make_runner(self.runner_spec, compiled)
 
     def runner_source(self, compiled: Optional[Callable[..., Any]] = None) -> str:
@@ -161,8 +176,10 @@ def capture(
 # Where the user is
 
 
-_PACKAGE_DIRS = (os.path.join(os.path.dirname(torch.__file__), ""),
-                 os.path.join(os.path.dirname(os.path.abspath(__file__)), ""))
+_PACKAGE_DIRS = (
+    os.path.join(os.path.dirname(torch.__file__), ""),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), ""),
+)
 _STDLIB_DIR = os.path.join(os.path.dirname(contextlib.__file__), "")
 
 
@@ -190,26 +207,78 @@ def user_location() -> tuple[str, int]:
 # Classifying torch calls
 
 # Values that go into the graph as literals.
-_LITERAL_TYPES = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
-                  torch.layout, torch.memory_format, type(Ellipsis))
+_LITERAL_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type(Ellipsis),
+)
 # Results that never depend on tensor data.
 _METADATA_RESULT_TYPES = (torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format)
 # Tensor methods and torch functions whose Python results are metadata, not data.
-_METADATA_NAMES = frozenset({
-    "size", "dim", "ndimension", "numel", "nelement", "stride", "is_contiguous",
-    "is_floating_point", "is_complex", "is_signed", "element_size", "storage_offset",
-    "get_device", "is_pinned", "is_shared", "is_set_to", "is_same_size", "is_inference",
-    "is_conj", "is_neg", "has_names", "is_coalesced", "dense_dim", "sparse_dim",
-    "__len__", "__hash__", "type", "is_tensor", "is_storage", "result_type",
-    "promote_types", "can_cast", "_is_view", "is_nested", "dim_order",
-})
+_METADATA_NAMES = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "element_size",
+        "storage_offset",
+        "get_device",
+        "is_pinned",
+        "is_shared",
+        "is_set_to",
+        "is_same_size",
+        "is_inference",
+        "is_conj",
+        "is_neg",
+        "has_names",
+        "is_coalesced",
+        "dense_dim",
+        "sparse_dim",
+        "__len__",
+        "__hash__",
+        "type",
+        "is_tensor",
+        "is_storage",
+        "result_type",
+        "promote_types",
+        "can_cast",
+        "_is_view",
+        "is_nested",
+        "dim_order",
+    }
+)
 # Queries whose answer is a shape: not constants when the shape came from data.
 _SHAPE_QUERIES = frozenset({"size", "shape", "numel", "nelement", "__len__", "stride"})
 # Ops whose output shape depends on input *values*.
-_DATA_DEPENDENT_SHAPE_OPS = frozenset({
-    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique",
-    "_unique2", "bincount", "repeat_interleave", "nonzero_static",
-})
+_DATA_DEPENDENT_SHAPE_OPS = frozenset(
+    {
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "_unique",
+        "_unique2",
+        "bincount",
+        "repeat_interleave",
+        "nonzero_static",
+    }
+)
 # Tensor methods that hand tensor data to Python.
 _DATA_ACCESS = {
     "__bool__": "data-dependent control flow: bool() of a tensor",
@@ -233,25 +302,53 @@ _STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED})
 
 # Tensor dunders -> (operator function, reflected?)
 _OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {}
-for _dunder, _fn in [
-    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-    ("truediv", operator.truediv), ("div", operator.truediv), ("floordiv", operator.floordiv),
-    ("mod", operator.mod), ("pow", operator.pow), ("matmul", operator.matmul),
-    ("and", operator.and_), ("or", operator.or_), ("xor", operator.xor),
-    ("lshift", operator.lshift), ("rshift", operator.rshift),
-]:
+_BINARY_DUNDERS: list[tuple[str, Callable[..., Any]]] = [
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("div", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("pow", operator.pow),
+    ("matmul", operator.matmul),
+    ("and", operator.and_),
+    ("or", operator.or_),
+    ("xor", operator.xor),
+    ("lshift", operator.lshift),
+    ("rshift", operator.rshift),
+]
+_OTHER_DUNDERS: list[tuple[str, Callable[..., Any]]] = [
+    ("eq", operator.eq),
+    ("ne", operator.ne),
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+    ("getitem", operator.getitem),
+    ("setitem", operator.setitem),
+    ("neg", operator.neg),
+    ("pos", operator.pos),
+    ("abs", operator.abs),
+    ("invert", operator.invert),
+    ("iadd", operator.iadd),
+    ("isub", operator.isub),
+    ("imul", operator.imul),
+    ("itruediv", operator.itruediv),
+    ("ifloordiv", operator.ifloordiv),
+    ("imod", operator.imod),
+    ("ipow", operator.ipow),
+    ("iand", operator.iand),
+    ("ior", operator.ior),
+    ("ixor", operator.ixor),
+    ("ilshift", operator.ilshift),
+    ("irshift", operator.irshift),
+    ("imatmul", operator.imatmul),
+]
+for _dunder, _fn in _BINARY_DUNDERS:
     _OPERATORS[f"__{_dunder}__"] = (_fn, False)
     _OPERATORS[f"__r{_dunder}__"] = (_fn, True)
-for _dunder, _fn in [
-    ("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt), ("le", operator.le),
-    ("gt", operator.gt), ("ge", operator.ge), ("getitem", operator.getitem),
-    ("setitem", operator.setitem), ("neg", operator.neg), ("pos", operator.pos),
-    ("abs", operator.abs), ("invert", operator.invert), ("iadd", operator.iadd),
-    ("isub", operator.isub), ("imul", operator.imul), ("itruediv", operator.itruediv),
-    ("ifloordiv", operator.ifloordiv), ("imod", operator.imod), ("ipow", operator.ipow),
-    ("iand", operator.iand), ("ior", operator.ior), ("ixor", operator.ixor),
-    ("ilshift", operator.ilshift), ("irshift", operator.irshift), ("imatmul", operator.imatmul),
-]:
+for _dunder, _fn in _OTHER_DUNDERS:
     _OPERATORS[f"__{_dunder}__"] = (_fn, False)
 del _dunder, _fn
 
@@ -265,7 +362,9 @@ def _tensor_attribute_names() -> dict[Any, str]:
     dunder that is an operator.
     """
     names: dict[Any, str] = {}
-    for name in sorted(dir(torch.Tensor), key=lambda n: (n.startswith("__"), n not in _OPERATORS, n)):
+    for name in sorted(
+        dir(torch.Tensor), key=lambda n: (n.startswith("__"), n not in _OPERATORS, n)
+    ):
         try:
             value = getattr(torch.Tensor, name)
             names.setdefault(value, name)
@@ -288,7 +387,9 @@ def _classify(func: Callable[..., Any]) -> tuple[str, Any]:
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         descriptor = getattr(func, "__self__", None)
-        attr = getattr(descriptor, "__name__", None) or getattr(getattr(descriptor, "fget", None), "__name__", None)
+        attr = getattr(descriptor, "__name__", None) or getattr(
+            getattr(descriptor, "fget", None), "__name__", None
+        )
         if attr is not None:
             return ("getattr" if name == "__get__" else "setattr"), attr
     try:
@@ -307,7 +408,7 @@ def _qualname(func: Callable[..., Any]) -> str:
     if kind != "function":
         return f"Tensor.{target}"
     module = getattr(func, "__module__", None) or ""
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
     return f"{module}.{name}" if module else name
 
 
@@ -330,20 +431,26 @@ def _holds_tensor(obj: Any) -> bool:
     attributes = getattr(obj, "__dict__", None)
     if not isinstance(attributes, dict):
         return False
-    return any(isinstance(v, torch.Tensor) or next(_tensors_in(v), None) is not None
-               for v in attributes.values())
+    return any(
+        isinstance(v, torch.Tensor) or next(_tensors_in(v), None) is not None
+        for v in attributes.values()
+    )
 
 
 def _has_call_hooks(module: nn.Module) -> bool:
     """Would `nn.Module._call_impl` run any hook for this module?"""
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
         or module._backward_pre_hooks
         or getattr(module, "_forward_hooks_with_kwargs", None)
         or getattr(module, "_forward_hooks_always_called", None)
         or getattr(module, "_forward_pre_hooks_with_kwargs", None)
-        or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
-        or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks
+        or module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+        or module_globals._global_backward_hooks
+        or module_globals._global_backward_pre_hooks
         or getattr(module_globals, "_global_forward_hooks_always_called", None)
         or getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
     )
@@ -375,7 +482,9 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
-def _same_state(before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]) -> Optional[str]:
+def _same_state(
+    before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]
+) -> Optional[str]:
     """The first attribute that differs between two `_module_state`s, or None."""
     for name in before.keys() | after.keys():
         if name not in before or name not in after:
@@ -403,8 +512,15 @@ def _same_state(before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, 
 class Tracer(TorchFunctionMode):
     """Records one real run of a forward into an fx graph (see module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], slots: tuple[Any, ...], slot_names: tuple[str, ...],
-                 *, root: Optional[nn.Module], fullgraph: bool) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        slots: tuple[Any, ...],
+        slot_names: tuple[str, ...],
+        *,
+        root: Optional[nn.Module],
+        fullgraph: bool,
+    ) -> None:
         super().__init__()
         if len(slots) != len(slot_names):
             raise ValueError(f"{len(slots)} slots but {len(slot_names)} slot names")
@@ -434,10 +550,10 @@ class Tracer(TorchFunctionMode):
         if root is not None:
             for name, module in root.named_modules(remove_duplicate=False):
                 self._module_paths.setdefault(id(module), name)
-            for name, tensor in root.named_parameters(remove_duplicate=False):
-                self._param_paths.setdefault(id(tensor), name)
-            for name, tensor in root.named_buffers(remove_duplicate=False):
-                self._param_paths.setdefault(id(tensor), name)
+            for name, parameter in root.named_parameters(remove_duplicate=False):
+                self._param_paths.setdefault(id(parameter), name)
+            for name, buffer in root.named_buffers(remove_duplicate=False):
+                self._param_paths.setdefault(id(buffer), name)
 
         # Training flags: id(module) -> (module, original value, flag).
         self._swapped: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
@@ -583,13 +699,18 @@ class Tracer(TorchFunctionMode):
                 continue  # an opaque module runs for real on every call
             changed = _same_state(self._snapshots[key], _module_state(module))
             if changed is not None:
-                self.graph_break(f"write to module state: {type(module).__name__}.{changed} changed "
-                                 "during forward", location=self._forward_location())
+                self.graph_break(
+                    f"write to module state: {type(module).__name__}.{changed} changed "
+                    "during forward",
+                    location=self._forward_location(),
+                )
                 return
 
     # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
 
-    def on_module_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def on_module_call(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         self._visit(module)
         if _has_call_hooks(module) or getattr(module, "_compiled_call_impl", None) is not None:
             return self._call_opaque_module(module, args, kwargs)
@@ -611,8 +732,10 @@ class Tracer(TorchFunctionMode):
         if number.tracer is not self:
             return
         if getattr(number, "data_dependent", False):
-            self.graph_break("data-dependent value: a Python number computed from tensors "
-                             "by an opaque op was used in Python")
+            self.graph_break(
+                "data-dependent value: a Python number computed from tensors "
+                "by an opaque op was used in Python"
+            )
             return
         for module in number.deps:
             self.note_branch(module, self._flag_value(module))
@@ -642,7 +765,9 @@ class Tracer(TorchFunctionMode):
         self.note_branch(module, value)
         return chosen
 
-    def call_with_flags(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_with_flags(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Record a C function that got a flag for a `bool` parameter (trace_patches).
 
         Its argument parser would reject the flag before torch function dispatch, so
@@ -652,12 +777,20 @@ class Tracer(TorchFunctionMode):
         stack = torch.overrides._get_current_function_mode_stack()
         if not stack or stack[-1] is not self:
             # Another mode sits above ours; it would see a plain bool: specialise.
-            return function(*[plain_value(a) for a in args], **{k: plain_value(v) for k, v in kwargs.items()})
+            return function(
+                *[plain_value(a) for a in args], **{k: plain_value(v) for k, v in kwargs.items()}
+            )
         with torch.overrides._pop_mode_temporarily():
             return self.__torch_function__(function, (), args, kwargs)
 
-    def trace_cond(self, original: Callable[..., Any], pred: Any, true_fn: Callable[..., Any],
-                   false_fn: Callable[..., Any], operands: Any) -> Any:
+    def trace_cond(
+        self,
+        original: Callable[..., Any],
+        pred: Any,
+        true_fn: Callable[..., Any],
+        false_fn: Callable[..., Any],
+        operands: Any,
+    ) -> Any:
         """`torch.cond` under this tracer (trace_patches routes it here).
 
         A Python predicate (a shape test, `self.training`) picks a branch in Python,
@@ -676,7 +809,9 @@ class Tracer(TorchFunctionMode):
                 return original(pred, true_fn, false_fn, operands)
         return original(pred, true_fn, false_fn, operands)
 
-    def call_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_opaque(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Run `fn` for real as ONE graph node (ops registered with `register_op`)."""
         if not self.recording:
             return fn(*args, **kwargs)
@@ -701,8 +836,10 @@ class Tracer(TorchFunctionMode):
         except _RecordingAborted:
             return result
         if inputs_have_tensors:
-            self.graph_break(f"data-dependent value: {_qualname(fn)}() returned a "
-                             f"{type(result).__name__} computed from tensors")
+            self.graph_break(
+                f"data-dependent value: {_qualname(fn)}() returned a "
+                f"{type(result).__name__} computed from tensors"
+            )
         else:
             for module in deps:
                 self.note_branch(module, self._flag_value(module))
@@ -710,8 +847,13 @@ class Tracer(TorchFunctionMode):
 
     # -- TorchFunctionMode ---------------------------------------------------------
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Optional[dict[str, Any]] = None,
+    ) -> Any:
         if kwargs is None:
             kwargs = {}
         if not self.recording:
@@ -722,10 +864,15 @@ class Tracer(TorchFunctionMode):
         if kind == "method" and target in _DATA_ACCESS:
             self.graph_break(_DATA_ACCESS[target])
             return func(*quiet_plain(args), **quiet_plain(kwargs))
-        if (self._dynamic_shape and (target in _SHAPE_QUERIES or target is torch.numel)
-                and any(id(t) in self._dynamic_shape for t in _tensors_in(args))):
-            self.graph_break(f"data-dependent shape: {_qualname(func)} of a tensor whose shape "
-                             "depends on tensor values (nonzero, boolean mask, unique...)")
+        if (
+            self._dynamic_shape
+            and (target in _SHAPE_QUERIES or target is torch.numel)
+            and any(id(t) in self._dynamic_shape for t in _tensors_in(args))
+        ):
+            self.graph_break(
+                f"data-dependent shape: {_qualname(func)} of a tensor whose shape "
+                "depends on tensor values (nonzero, boolean mask, unique...)"
+            )
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         result = func(*quiet_plain(args), **quiet_plain(kwargs))
         try:
@@ -734,8 +881,15 @@ class Tracer(TorchFunctionMode):
             pass
         return result
 
-    def _record_call(self, func: Any, kind: str, target: Any, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], result: Any) -> None:
+    def _record_call(
+        self,
+        func: Any,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+    ) -> None:
         if result is NotImplemented:
             return
         if next(_tensors_in(result), None) is None:
@@ -743,14 +897,20 @@ class Tracer(TorchFunctionMode):
                 return  # a property (shape, dtype, grad=None...): a constant
             if kind == "setattr" or result is None:
                 pass  # a side effect: record it as a node
-            elif (isinstance(result, _METADATA_RESULT_TYPES)
-                  or (kind == "method" and target in _METADATA_NAMES)
-                  or (kind == "function" and getattr(func, "__name__", None) in _METADATA_NAMES)
-                  or func is torch.numel or func is torch.is_floating_point or func is torch.is_complex):
+            elif (
+                isinstance(result, _METADATA_RESULT_TYPES)
+                or (kind == "method" and target in _METADATA_NAMES)
+                or (kind == "function" and getattr(func, "__name__", None) in _METADATA_NAMES)
+                or func is torch.numel
+                or func is torch.is_floating_point
+                or func is torch.is_complex
+            ):
                 return  # metadata: a constant, guarded by the caller's shape checks
             else:
-                self.graph_break(f"data-dependent value: {_qualname(func)}() returned a Python "
-                                 f"{type(result).__name__}")
+                self.graph_break(
+                    f"data-dependent value: {_qualname(func)}() returned a Python "
+                    f"{type(result).__name__}"
+                )
                 return
         node_args, node_kwargs = self._graph_arg(args), self._graph_arg(kwargs)
         if kind == "method":
@@ -763,7 +923,9 @@ class Tracer(TorchFunctionMode):
         elif kind == "getattr":
             node = self._create_node("call_function", getattr, (node_args[0], target), {})
         elif kind == "setattr":
-            node = self._create_node("call_function", setattr, (node_args[0], target, node_args[1]), {})
+            node = self._create_node(
+                "call_function", setattr, (node_args[0], target, node_args[1]), {}
+            )
         else:
             node = self._create_node("call_function", func, node_args, node_kwargs)
         dynamic = False
@@ -790,11 +952,16 @@ class Tracer(TorchFunctionMode):
         return node
 
     def _placeholder(self, name: str) -> fx.Node:
+        where: ContextManager[Any]
         if self._last_placeholder is not None:
             where = self.graph.inserting_after(self._last_placeholder)
         else:
             first = next(iter(self.graph.nodes), None)
-            where = self.graph.inserting_before(first) if first is not None else contextlib.nullcontext()
+            where = (
+                self.graph.inserting_before(first)
+                if first is not None
+                else contextlib.nullcontext()
+            )
         with where:
             node = self.graph.placeholder(_identifier(name))
         self._last_placeholder = node
@@ -825,8 +992,12 @@ class Tracer(TorchFunctionMode):
 
     def _ifexpr_node(self, module: nn.Module, true_value: Any, false_value: Any) -> fx.Node:
         flag = self._flag_node(module)
-        return self._create_node("call_function", ifexpr,
-                                 (flag, self._graph_arg(true_value), self._graph_arg(false_value)), {})
+        return self._create_node(
+            "call_function",
+            ifexpr,
+            (flag, self._graph_arg(true_value), self._graph_arg(false_value)),
+            {},
+        )
 
     def _map(self, tensor: torch.Tensor, node: fx.Node, dynamic: bool = False) -> None:
         self._tensor_nodes[id(tensor)] = node
@@ -872,8 +1043,10 @@ class Tracer(TorchFunctionMode):
             if computed:
                 # It was computed in this run, but not through torch function dispatch
                 # (e.g. under torch._C.DisableTorchFunction): baking it in would be wrong.
-                self.graph_break("a tensor computed outside torch function dispatch "
-                                 f"({type(tensor.grad_fn).__name__}) reached the graph")
+                self.graph_break(
+                    "a tensor computed outside torch function dispatch "
+                    f"({type(tensor.grad_fn).__name__}) reached the graph"
+                )
                 raise _RecordingAborted
             node = self._constant(tensor, "tensor_constant")
         self._map(tensor, node)
@@ -930,13 +1103,19 @@ class Tracer(TorchFunctionMode):
         if isinstance(value, dict):
             return {k: self._graph_arg(v) for k, v in value.items()}
         if isinstance(value, slice):
-            return slice(self._graph_arg(value.start), self._graph_arg(value.stop), self._graph_arg(value.step))
+            return slice(
+                self._graph_arg(value.start),
+                self._graph_arg(value.stop),
+                self._graph_arg(value.step),
+            )
         if isinstance(value, _LITERAL_TYPES):
             return value
         if isinstance(value, nn.Module):
             if id(value) not in self._module_paths and self.root is not None:
-                self.graph_break(f"a module outside self's module tree ({type(value).__name__}) "
-                                 "was passed to an op")
+                self.graph_break(
+                    f"a module outside self's module tree ({type(value).__name__}) "
+                    "was passed to an op"
+                )
                 raise _RecordingAborted
             target = self._module_target(value)
             node = self._attr_nodes.get(target)
@@ -945,12 +1124,16 @@ class Tracer(TorchFunctionMode):
             return node
         return self._constant(value, f"const_{type(value).__name__}_")
 
-    def _call_opaque_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _call_opaque_module(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         call = trace_patches.original_module_call
         path = self._module_paths.get(id(module))
         if path is None and self.root is not None:
-            self.graph_break(f"a submodule with hooks ({type(module).__name__}) that is not "
-                             "reachable from self's module tree")
+            self.graph_break(
+                f"a submodule with hooks ({type(module).__name__}) that is not "
+                "reachable from self's module tree"
+            )
             return call(module, *args, **kwargs)
         try:
             node_args, node_kwargs = self._graph_arg(args), self._graph_arg(kwargs)
@@ -961,11 +1144,16 @@ class Tracer(TorchFunctionMode):
             result = call(module, *quiet_plain(args), **quiet_plain(kwargs))
         if not self.recording:
             return result
-        outside = [v for v in pytree.tree_leaves(result)
-                   if not isinstance(v, (torch.Tensor, *_LITERAL_TYPES))]
+        outside = [
+            v
+            for v in pytree.tree_leaves(result)
+            if not isinstance(v, (torch.Tensor, *_LITERAL_TYPES))
+        ]
         if outside:
-            self.graph_break(f"a module with hooks ({type(module).__name__}) returned a "
-                             f"{type(outside[0]).__name__}, which the graph cannot carry")
+            self.graph_break(
+                f"a module with hooks ({type(module).__name__}) returned a "
+                f"{type(outside[0]).__name__}, which the graph cannot carry"
+            )
             return result
         target = self._module_target(module)
         try:
@@ -979,8 +1167,11 @@ class Tracer(TorchFunctionMode):
 
     @staticmethod
     def _autocast_state(device: str) -> tuple[bool, torch.dtype, bool]:
-        return (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
-                torch.is_autocast_cache_enabled())
+        return (
+            torch.is_autocast_enabled(device),
+            torch.get_autocast_dtype(device),
+            torch.is_autocast_cache_enabled(),
+        )
 
     def _sync_global_state(self) -> None:
         """Make the graph's grad mode and autocast state match the run's, before a node.
@@ -1006,7 +1197,8 @@ class Tracer(TorchFunctionMode):
             if state != self._entry_autocast[device]:
                 enabled, dtype, cache = state
                 self._open_autocast[device] = self.graph.call_function(
-                    torch.amp.autocast_mode._enter_autocast, (device, dtype, enabled, cache))
+                    torch.amp.autocast_mode._enter_autocast, (device, dtype, enabled, cache)
+                )
             self._graph_autocast[device] = state
 
     # -- the end -----------------------------------------------------------------------
@@ -1031,9 +1223,11 @@ class Tracer(TorchFunctionMode):
                     if slot is not None:
                         layout.append(SlotOutput(slot))
                     elif isinstance(leaf, nn.Module) or _holds_tensor(leaf):
-                        self.graph_break(f"forward returns a {type(leaf).__name__}, which the graph "
-                                         "cannot rebuild (register it with torch.utils._pytree)",
-                                         location=self._forward_location())
+                        self.graph_break(
+                            f"forward returns a {type(leaf).__name__}, which the graph "
+                            "cannot rebuild (register it with torch.utils._pytree)",
+                            location=self._forward_location(),
+                        )
                         return None
                     else:
                         layout.append(ConstantOutput(leaf))
@@ -1046,16 +1240,25 @@ class Tracer(TorchFunctionMode):
     def _make_capture(self, result: Any, layout: Optional[OutputLayout]) -> Capture:
         graph_module: Optional[fx.GraphModule] = None
         runner_spec: Optional[RunnerSpec] = None
-        name = getattr(self.fn, "__qualname__", None) or getattr(self.fn, "__name__", "forward")
+        name = str(
+            getattr(self.fn, "__qualname__", None)
+            or getattr(self.fn, "__name__", None)
+            or "forward"
+        )
         if self.fallback is None and layout is not None:
             self.graph.lint()
-            graph_module = fx.GraphModule(self._attribute_source(), self.graph,
-                                          class_name=_class_name(name))
+            graph_module = fx.GraphModule(
+                self._attribute_source(), self.graph, class_name=_class_name(name)
+            )
             runner_spec = RunnerSpec(
-                name=name, graph=self.graph, attr_values=dict(self._attr_values),
-                slot_names=self.slot_names, root_slot=0 if self.root is not None else None,
+                name=name,
+                graph=self.graph,
+                attr_values=dict(self._attr_values),
+                slot_names=self.slot_names,
+                root_slot=0 if self.root is not None else None,
                 module_paths=dict(self._module_targets),
-                output=layout, entry_grad_mode=self._entry_grad_mode,
+                output=layout,
+                entry_grad_mode=self._entry_grad_mode,
             )
         capture = Capture(
             result=_plain_result(result),
@@ -1113,8 +1316,14 @@ def _identifier(name: str) -> str:
 
 
 def _class_name(qualname: str) -> str:
-    return "".join(part[:1].upper() + part[1:] for part in qualname.replace("<", "").replace(">", "")
-                   .replace(".", "_").split("_") if part) + "Graph"
+    return (
+        "".join(
+            part[:1].upper() + part[1:]
+            for part in qualname.replace("<", "").replace(">", "").replace(".", "_").split("_")
+            if part
+        )
+        + "Graph"
+    )
 
 
 def _plain_result(result: Any) -> Any:
@@ -1134,8 +1343,12 @@ def _same_tensor_kind(a: Any, b: Any) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     with torch._C.DisableTorchFunction():
-        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and a.requires_grad == b.requires_grad)
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.requires_grad == b.requires_grad
+        )
 
 
 def _deps_of(value: Any) -> tuple[nn.Module, ...]:

@@ -15,6 +15,7 @@ Known limit: C code that reads the number straight out of the object (`math.sqrt
 `range(flag)`, list indexing by the flag) sees the value without calling a dunder, so
 no branch is recorded for it. Such code gets the traced mode's value baked in.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -29,8 +30,9 @@ def _recording_tracer(owner: Any) -> Optional[Any]:
     recording suspended) can read: those reads must behave as plain bools and record
     nothing.
     """
-    if owner is not None and current_tracer() is owner and owner.recording:
-        return owner
+    tracer = current_tracer()
+    if tracer is not None and tracer is owner and tracer.recording:
+        return tracer
     return None
 
 
@@ -123,7 +125,10 @@ def plain_value(value: Any) -> Any:
 
 # Presentation goes through the plain value's own type, so a tracked bool prints `True`.
 _BY_PLAIN_TYPE: dict[str, Callable[..., Any]] = {
-    "__repr__": repr, "__str__": str, "__format__": format, "__hash__": hash,
+    "__repr__": repr,
+    "__str__": str,
+    "__format__": format,
+    "__hash__": hash,
 }
 
 
@@ -154,7 +159,9 @@ def holds_tracked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     for value in (*args, *kwargs.values()):
         if isinstance(value, (TrainingFlag, _TrackedNumber)):
             return True
-        if isinstance(value, (tuple, list)) and any(isinstance(v, (TrainingFlag, _TrackedNumber)) for v in value):
+        if isinstance(value, (tuple, list)) and any(
+            isinstance(v, (TrainingFlag, _TrackedNumber)) for v in value
+        ):
             return True
     return False
 
@@ -172,21 +179,67 @@ def _specialising_method(base: type, name: str) -> Callable[..., Any]:
 # Every dunder through which Python code can *look at* a number. Each one specialises
 # the graph on the flags the number depends on, then answers with the plain value.
 _NUMBER_DUNDERS = (
-    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-    "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-    "__rmod__", "__divmod__", "__rdivmod__", "__pow__", "__rpow__",
-    "__neg__", "__pos__", "__abs__", "__eq__", "__ne__", "__lt__", "__le__",
-    "__gt__", "__ge__", "__int__", "__float__", "__round__", "__trunc__",
-    "__floor__", "__ceil__", "__bool__", "__hash__", "__repr__", "__str__",
-    "__format__", "__complex__",
+    "__add__",
+    "__radd__",
+    "__sub__",
+    "__rsub__",
+    "__mul__",
+    "__rmul__",
+    "__truediv__",
+    "__rtruediv__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__mod__",
+    "__rmod__",
+    "__divmod__",
+    "__rdivmod__",
+    "__pow__",
+    "__rpow__",
+    "__neg__",
+    "__pos__",
+    "__abs__",
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__int__",
+    "__float__",
+    "__round__",
+    "__trunc__",
+    "__floor__",
+    "__ceil__",
+    "__bool__",
+    "__hash__",
+    "__repr__",
+    "__str__",
+    "__format__",
+    "__complex__",
 )
 _INT_ONLY_DUNDERS = (
-    "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__",
-    "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__invert__", "__index__",
+    "__and__",
+    "__rand__",
+    "__or__",
+    "__ror__",
+    "__xor__",
+    "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
+    "__invert__",
+    "__index__",
 )
 
 for _name in _NUMBER_DUNDERS + _INT_ONLY_DUNDERS:
-    if hasattr(int, _name) and _name not in ("__hash__", "__repr__", "__str__", "__format__", "__bool__"):
+    if hasattr(int, _name) and _name not in (
+        "__hash__",
+        "__repr__",
+        "__str__",
+        "__format__",
+        "__bool__",
+    ):
         setattr(TrainingFlag, _name, _specialising_method(int, _name))
     if hasattr(int, _name):
         setattr(TrackedInt, _name, _specialising_method(int, _name))

@@ -4,13 +4,13 @@ Each test calls `capture()` the way the C side does on a cache miss (the frame's
 argument slots, in CPython's order) and then calls the runner the way a cache hit does
 (`runner(*slots, *training_flags)`), comparing both with eager PyTorch.
 """
+
 from __future__ import annotations
 
 import builtins
 import gc
 import inspect
 import linecache
-import operator
 import sys
 import threading
 import weakref
@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -65,9 +64,10 @@ def replay(cap: Capture, module: nn.Module, *args: Any, runner=None, **kwargs: A
 
 
 def line_of(marker: str) -> int:
-    for number, line in enumerate(open(THIS_FILE), start=1):
-        if line.rstrip().endswith(f"# <{marker}>"):
-            return number
+    with open(THIS_FILE) as source:
+        for number, line in enumerate(source, start=1):
+            if line.rstrip().endswith(f"# <{marker}>"):
+                return number
     raise AssertionError(marker)
 
 
@@ -83,7 +83,9 @@ def assert_nothing_patched() -> None:
     assert torch._C._set_grad_enabled is trace_patches.REAL_SET_GRAD_ENABLED
     assert torch.dropout is torch._C._VariableFunctions.dropout
     assert torch._VF.vf is torch._C._VariableFunctions
-    assert torch.autograd.Function.__dict__["apply"].__func__.__module__ == "torch.autograd.function"
+    assert (
+        torch.autograd.Function.__dict__["apply"].__func__.__module__ == "torch.autograd.function"
+    )
     assert torch.cond is torch._higher_order_ops.cond
     assert current_tracer() is None
 
@@ -128,13 +130,17 @@ class Block(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.drop = nn.Dropout(p)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(p))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(p)
+        )
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=ifexpr(self.training, self.p, 0.0), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=ifexpr(self.training, self.p, 0.0), is_causal=True
+        )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         x = x + self.drop(self.proj(y))
         return x + self.mlp(self.ln2(x))
@@ -182,8 +188,10 @@ def test_generated_source_is_readable():
     assert "linear_1 = F_linear(relu, fc2_weight, fc2_bias); relu = None" in lines
     assert lines[-1] == "return linear_1"
     # Each block names the user's line that produced it.
-    assert any(line.startswith("# test_tracer.py:") and "self.fc2(torch.relu(self.fc1(x)))" in line
-               for line in lines)
+    assert any(
+        line.startswith("# test_tracer.py:") and "self.fc2(torch.relu(self.fc1(x)))" in line
+        for line in lines
+    )
     filename = runner.__code__.co_filename
     assert filename.startswith("<nnscaler graph MLP.forward")
     assert linecache.getline(filename, 1).startswith("def forward")
@@ -324,8 +332,10 @@ def test_keyword_none_and_container_inputs_tuple_and_dict_outputs():
     assert got[1]["none"] is None and got[2] == (2.0, "tag")
     # New values for the same structure flow through.
     pair2 = (torch.randn(2, 4), torch.randn(2, 4))
-    assert_close(replay(cap, model, x, pair2, *extra, scale=2.0, bias=bias)[:2],
-                 model(x, pair2, *extra, scale=2.0, bias=bias)[:2])
+    assert_close(
+        replay(cap, model, x, pair2, *extra, scale=2.0, bias=bias)[:2],
+        model(x, pair2, *extra, scale=2.0, bias=bias)[:2],
+    )
     assert len(cap.example_inputs()) == 5  # x, pair[0], pair[1], extra[0], named['bias']
 
 
@@ -437,14 +447,25 @@ def test_tensor_operators_methods_and_tuple_results():
     class Net(nn.Module):
         def forward(self, x):
             a = 2 - x
-            b = -x ** 2 / 3
+            b = -(x**2) / 3
             c = x.T @ x
             d = x[:, 1:3] * x[..., None, 0]
             values, indices = x.max(dim=1)
             parts = torch.split(x, 2, dim=1)
             rows = [row.sum() for row in x]
             mask = (x > 0) & (x < 1)
-            return a, b, c, d, values, indices, parts[1], torch.stack(rows), mask, x.size(0) * x.dim()
+            return (
+                a,
+                b,
+                c,
+                d,
+                values,
+                indices,
+                parts[1],
+                torch.stack(rows),
+                mask,
+                x.size(0) * x.dim(),
+            )
 
     model = Net()
     x = torch.randn(4, 5)
@@ -496,7 +517,9 @@ def test_autograd_function_is_one_node_and_keeps_its_backward():
     cap = trace(model, x)
     assert cap.fallback is None
     nodes = list(cap.graph_module.graph.nodes)
-    applies = [n for n in nodes if getattr(n.target, "__qualname__", "").endswith("StraightThrough.apply")]
+    applies = [
+        n for n in nodes if getattr(n.target, "__qualname__", "").endswith("StraightThrough.apply")
+    ]
     assert len(applies) == 1
     assert "round" not in [n.target for n in nodes]  # its forward is not inlined
     replay(cap, model, x).sum().backward()
@@ -662,7 +685,11 @@ def test_call_opaque_records_one_node_and_tracks_numbers():
 
     class Net(nn.Module):
         def forward(self, x):
-            p = current_tracer().call_opaque(get_dropout, (self, 0.25), {}) if current_tracer() else get_dropout(self, 0.25)
+            p = (
+                current_tracer().call_opaque(get_dropout, (self, 0.25), {})
+                if current_tracer()
+                else get_dropout(self, 0.25)
+            )
             return F.dropout(x, p)
 
     model = Net()
@@ -818,7 +845,7 @@ def test_breakpoint_falls_back(monkeypatch):
 
     class Net(nn.Module):
         def forward(self, x):
-            breakpoint()  # <breakpoint>
+            breakpoint()  # noqa: T100  # <breakpoint>
             return x * 3
 
     cap = trace(Net(), torch.ones(2))
@@ -871,7 +898,8 @@ def test_torch_cond_with_a_tensor_predicate_falls_back():
         def forward(self, x):
             if torch.cond(x.dim() == 2, lambda t: t + 1, lambda t: t - 1, (x,)).dim() != 2:
                 raise AssertionError("a Python predicate picks its branch inline")
-            return torch.cond(x.sum() > 0, lambda t: self.fc(t) * 2, lambda t: self.fc(t) - 1, (x,))  # <cond>
+            positive, negative = (lambda t: self.fc(t) * 2), (lambda t: self.fc(t) - 1)
+            return torch.cond(x.sum() > 0, positive, negative, (x,))  # <cond>
 
     model = Net()
     x = torch.randn(2, 4)
@@ -902,7 +930,7 @@ class Raises(nn.Module):
         self.fc = nn.Linear(2, 2)
 
     def forward(self, x):
-        y = self.fc(x)
+        self.fc(x)
         raise ValueError("boom")  # <raise>
 
 
@@ -910,7 +938,9 @@ def test_exceptions_propagate_and_everything_is_restored():
     model = Raises()
     with pytest.raises(ValueError, match="boom") as info:
         trace(model, torch.ones(2))
-    frames = [(f.filename, f.lineno) for f in __import__("traceback").extract_tb(info.value.__traceback__)]
+    frames = [
+        (f.filename, f.lineno) for f in __import__("traceback").extract_tb(info.value.__traceback__)
+    ]
     assert frames[-1] == (THIS_FILE, line_of("raise"))
     assert_training_restored(model)
     # errors raised by a torch op keep their type too
@@ -1001,7 +1031,9 @@ def test_graph_module_keeps_live_parameters_and_leaves_model_untouched():
     keys = list(model.state_dict())
     cap = trace(model, torch.randn(2, 3, 4, 4))
     gm = cap.graph_module
-    assert gm.get_submodule("conv").weight is model.conv.weight or gm.conv.weight is model.conv.weight
+    assert (
+        gm.get_submodule("conv").weight is model.conv.weight or gm.conv.weight is model.conv.weight
+    )
     assert list(model.state_dict()) == keys
     with torch.no_grad():
         model.conv.weight.zero_()
