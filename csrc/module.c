@@ -1,5 +1,6 @@
 /* module.c - nnscaler_eval._C: module init and the Python-visible functions.
  * (Grows with eval_frame.c and guards/.) */
+#include "bytecode.h"
 #include "compat.h"
 #include "rewrite.h"
 
@@ -23,8 +24,24 @@ rewrite_code(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(Ni)", code, n_sites);
 }
 
+PyDoc_STRVAR(bytecode_roundtrip_doc,
+"_bytecode_roundtrip(code) -> code\n\n"
+"Decode `code` into the rewrite's instruction list and assemble it back unchanged\n"
+"(a test of the bytecode layer; not a public API).");
+
+static PyObject *
+bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "_bytecode_roundtrip(code): code must be a code object");
+        return NULL;
+    }
+    return bytecode_roundtrip((PyCodeObject *)code);
+}
+
 static PyMethodDef module_methods[] = {
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
+    {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
     {NULL, NULL, 0, NULL},
 };
 
