@@ -57,6 +57,7 @@ typedef struct {
     int op_jump_forward, op_jump_backward, op_jump_backward_no_interrupt;
     int op_push_null, op_precall, op_call, op_call_function_ex, op_swap;
     int op_store_fast, op_kw_names, op_copy;
+    int op_jump_if_true_or_pop, op_jump_if_false_or_pop;
     int have_argument;        /* opcodes >= this take an argument */
 } NnsOpcodes;
 

@@ -86,6 +86,8 @@ const NnsOpcodes nns_opcodes = {
     .op_store_fast = STORE_FAST,
     .op_kw_names = KW_NAMES,
     .op_copy = COPY,
+    .op_jump_if_true_or_pop = JUMP_IF_TRUE_OR_POP,
+    .op_jump_if_false_or_pop = JUMP_IF_FALSE_OR_POP,
     .have_argument = HAVE_ARGUMENT,
 };
 

@@ -21,6 +21,14 @@
  * jumps lead to the join, provided [second, E) is closed: every jump in it lands
  * inside it or (through unconditional jumps) on the join, never elsewhere.
  *
+ * When the join is itself a JUMP_IF_TRUE_OR_POP (the expression is an operand of
+ * `or`; JUMP_IF_FALSE_OR_POP and `and` likewise), the optimizer also threads the
+ * branches' own `or` jumps through it: a JUMP_IF_TRUE_OR_POP that would have reached
+ * the join goes straight to where the join sends a true value, and a
+ * JUMP_IF_FALSE_OR_POP becomes a POP_JUMP_IF_FALSE to the instruction after the join
+ * (where the join sends a false value, popped).  Both are exits of the branch too:
+ * a value that reaches them is a value that reaches the join.
+ *
  * Both branches are then checked by simulating the stack: each must start from the
  * depth it was entered at, never go below it, and leave exactly one more value at
  * every exit.  This is what tells a conditional expression used as a value from one
@@ -37,7 +45,8 @@
  *     [SWAP 2 when negated]; PRECALL 3; CALL 3
  *
  * Jumps that left the first branch now go to the start of <b>; jumps that left the
- * second go to the instruction after <b>.  Sites are rewritten innermost first
+ * second go to the instruction after <b>; a threaded POP_JUMP_IF_FALSE exit turns
+ * back into the JUMP_IF_FALSE_OR_POP it was (it must keep the value now).  Sites are rewritten innermost first
  * (condition positions from last to first), so an outer site sees its inner ones
  * already turned into straight-line calls.
  */
@@ -64,6 +73,7 @@ rewrite_may_apply(PyCodeObject *code)
 
 typedef struct {
     int cond;           /* LOAD self */
+    int join;           /* where both branches' values meet */
     int negated;        /* the condition jumps when self.training is true */
     int first;          /* [first, first_end): the branch the condition falls into */
     int first_end;      /* the unconditional jump closing it; dropped */
@@ -115,6 +125,71 @@ reach(int *depth, int k, int value)
     return depth[k] == value;
 }
 
+/* How a jump out of a branch reaches the join (see the design note). */
+typedef enum {
+    EXIT_NONE,          /* it does not: not a branch of this join */
+    EXIT_PLAIN,         /* lands on the join, through unconditional jumps */
+    EXIT_KEEP,          /* a JUMP_IF_*_OR_POP threaded through a join of its kind */
+    EXIT_POPPED,        /* a POP_JUMP_IF_* threaded past a JUMP_IF_*_OR_POP join */
+} ExitKind;
+
+/* Where a value entering `index` ends up: follows unconditional jumps and jumps of
+ * opcode `op`.  -1 when they loop. */
+static int
+follow_jumps_of(const NnsInstrList *list, int index, int op)
+{
+    for (int steps = 0; steps <= list->n; steps++) {
+        const NnsInstr *instr = &list->items[index];
+        int unconditional;
+        if (nns_opcode_jump_kind(instr->opcode, &unconditional) == 0
+            || !(unconditional || instr->opcode == op)) {
+            return index;
+        }
+        index = instr->target;
+    }
+    return -1;
+}
+
+static ExitKind
+classify_exit(const NnsInstrList *list, const NnsInstr *instr, int join)
+{
+    int target = instr->target;
+    if (bytecode_resolve_jumps(list, target) == join) {
+        return EXIT_PLAIN;
+    }
+    int join_op = list->items[join].opcode;
+    int popping;
+    if (join_op == nns_opcodes.op_jump_if_true_or_pop) {
+        popping = nns_opcodes.op_pop_jump_forward_if_false;
+    }
+    else if (join_op == nns_opcodes.op_jump_if_false_or_pop) {
+        popping = nns_opcodes.op_pop_jump_forward_if_true;
+    }
+    else {
+        return EXIT_NONE;
+    }
+    if (instr->opcode == join_op) {
+        int dest = follow_jumps_of(list, target, join_op);
+        return dest >= 0 && dest == follow_jumps_of(list, join, join_op) ? EXIT_KEEP
+                                                                         : EXIT_NONE;
+    }
+    if (instr->opcode == popping && join + 1 < list->n) {
+        int dest = bytecode_resolve_jumps(list, target);
+        return dest >= 0 && dest == bytecode_resolve_jumps(list, join + 1) ? EXIT_POPPED
+                                                                           : EXIT_NONE;
+    }
+    return EXIT_NONE;
+}
+
+/* The opcode that keeps the value where `popping` (an EXIT_POPPED jump) dropped it. */
+static int
+keeping_opcode(int popping)
+{
+    return popping == nns_opcodes.op_pop_jump_forward_if_false
+               ? nns_opcodes.op_jump_if_false_or_pop
+               : nns_opcodes.op_jump_if_true_or_pop;
+}
+
 /* Is [start, end) a branch of a conditional expression joining at `join`?  See the
  * design note.  `depth` is scratch space of at least end - start ints. */
 static int
@@ -163,11 +238,15 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
                     return 0;
                 }
             }
-            else if (bytecode_resolve_jumps(list, instr->target) == join && d + effect == 1) {
-                exits++;
-            }
             else {
-                return 0;
+                /* An exit carries the branch's value: one more than on entry, or, for
+                 * a popped exit, that value is what the jump tested and dropped. */
+                ExitKind exit = classify_exit(list, instr, join);
+                int carried = exit == EXIT_POPPED ? d : d + effect;
+                if (exit == EXIT_NONE || carried != 1) {
+                    return 0;
+                }
+                exits++;
             }
         }
         if (!jumps_always) {
@@ -251,7 +330,7 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
             return 0;
         }
     }
-    *site = (Site){cond, negated, first, first_end, second, second_end};
+    *site = (Site){cond, join, negated, first, first_end, second, second_end};
     return 1;
 }
 
@@ -266,19 +345,23 @@ inserted(int opcode, int oparg, const NnsInstr *located_like, int handler_target
 }
 
 /* Copy instruction `k` into `out` with its jump and handler targets moved to the new
- * layout.  A jump that leaves [k, region_end) goes to `exit_to`; region_end == -1
- * means the instruction is outside the site and every target is simply mapped. */
+ * layout.  A jump of a branch ending at `region_end` that leaves it is an exit and
+ * goes to `exit_to`; region_end == -1 means the instruction is outside the site and
+ * every target is simply mapped. */
 static int
-copy_moved(PyCodeObject *code, const NnsInstrList *list, int k, int region_end, int exit_to,
-           const int *map, NnsInstrList *out)
+copy_moved(PyCodeObject *code, const NnsInstrList *list, const Site *site, int k,
+           int region_end, int exit_to, const int *map, NnsInstrList *out)
 {
     NnsInstr instr = list->items[k];
     if (instr.target >= 0) {
-        if (region_end < 0) {
+        if (region_end < 0 || instr.target < region_end) {
             instr.target = map[instr.target];
         }
         else {
-            instr.target = instr.target < region_end ? map[instr.target] : exit_to;
+            if (classify_exit(list, &instr, site->join) == EXIT_POPPED) {
+                instr.opcode = keeping_opcode(instr.opcode);
+            }
+            instr.target = exit_to;
         }
     }
     if (instr.handler.target >= 0) {
@@ -334,23 +417,23 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *site, int c
     NnsInstr call = inserted(nns_opcodes.op_call, 3, test, handler);
 
     for (int k = 0; k < s->cond; k++) {
-        if (copy_moved(code, list, k, -1, 0, map, out) < 0) {
+        if (copy_moved(code, list, s, k, -1, 0, map, out) < 0) {
             return -1;
         }
     }
     if (bytecode_list_append(out, &push_null) < 0
         || bytecode_list_append(out, &load_ifexpr) < 0
-        || copy_moved(code, list, s->cond, -1, 0, map, out) < 0
-        || copy_moved(code, list, s->cond + 1, -1, 0, map, out) < 0) {
+        || copy_moved(code, list, s, s->cond, -1, 0, map, out) < 0
+        || copy_moved(code, list, s, s->cond + 1, -1, 0, map, out) < 0) {
         return -1;
     }
     for (int k = s->first; k < s->first_end; k++) {
-        if (copy_moved(code, list, k, s->first_end, second_at, map, out) < 0) {
+        if (copy_moved(code, list, s, k, s->first_end, second_at, map, out) < 0) {
             return -1;
         }
     }
     for (int k = s->second; k < s->second_end; k++) {
-        if (copy_moved(code, list, k, s->second_end, after_second, map, out) < 0) {
+        if (copy_moved(code, list, s, k, s->second_end, after_second, map, out) < 0) {
             return -1;
         }
     }
@@ -361,7 +444,7 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *site, int c
         return -1;
     }
     for (int k = s->second_end; k < n; k++) {
-        if (copy_moved(code, list, k, -1, 0, map, out) < 0) {
+        if (copy_moved(code, list, s, k, -1, 0, map, out) < 0) {
             return -1;
         }
     }
