@@ -2,6 +2,7 @@
  *
  * The module is initialised in multi-phase form (PEP 489) but refuses a second
  * interpreter: the PEP 523 hook reaches its state through nns_globals. */
+#include "bytecode.h"
 #include "cache.h"
 #include "code_state.h"
 #include "compat.h"
@@ -173,6 +174,21 @@ PyDoc_STRVAR(code_state_doc,
 "code_state(code) -> dict or None\n\nWhat the evaluator decided for `code` (None if it\n"
 "has not seen it): skip, forward, n_sites, rewritten, buckets.");
 
+PyDoc_STRVAR(bytecode_roundtrip_doc,
+"_bytecode_roundtrip(code) -> code\n\n"
+"Decode `code` into the rewrite's instruction list and assemble it back unchanged\n"
+"(a test of the bytecode layer; not a public API).");
+
+static PyObject *
+bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "_bytecode_roundtrip(code): code must be a code object");
+        return NULL;
+    }
+    return bytecode_roundtrip((PyCodeObject *)code);
+}
+
 static PyObject *
 py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
 {
@@ -281,6 +297,7 @@ static PyMethodDef module_methods[] = {
     {"arm", (PyCFunction)(void (*)(void))py_arm, METH_FASTCALL, arm_doc},
     {"disarm", py_disarm, METH_O, disarm_doc},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
+    {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
     {"code_state", py_code_state, METH_O, code_state_doc},
     {"decide", py_decide, METH_O, decide_doc},
     {"mark_skip", py_mark_skip, METH_O, "mark_skip(code): never intercept `code`."},
