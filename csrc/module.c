@@ -115,24 +115,25 @@ set_global(PyObject **slot, PyObject *value)
 }
 
 PyDoc_STRVAR(install_doc,
-"install(ifexpr, convert_frame, rewrite_mode, run_eagerly, module_type, tensor_type,\n"
-"        is_grad_enabled, global_hook_dicts)\n\nHand the C core the Python objects it\n"
+"install(ifexpr, convert_frame, rewrite_mode, run_eagerly, run_disarmed, module_type,\n"
+"        tensor_type, is_grad_enabled, global_hook_dicts, internal_prefix)\n\nHand the C core the Python objects it\n"
 "needs (nnscaler_eval does this once at import).");
 
 static PyObject *
 py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "install() takes 8 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "install() takes 10 arguments");
         return NULL;
     }
-    if (!PyType_Check(args[4]) || !PyType_Check(args[5]) || !PyTuple_Check(args[7])) {
+    if (!PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyTuple_Check(args[8]) ||
+        !PyUnicode_Check(args[9])) {
         PyErr_SetString(PyExc_TypeError, "install(): module_type/tensor_type must be types, "
-                                         "global_hook_dicts a tuple");
+                                         "global_hook_dicts a tuple, internal_prefix a str");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[7]); i++) {
-        if (!PyDict_Check(PyTuple_GET_ITEM(args[7], i))) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[8]); i++) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(args[8], i))) {
             PyErr_SetString(PyExc_TypeError, "install(): global_hook_dicts must hold dicts");
             return NULL;
         }
@@ -141,10 +142,12 @@ py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     set_global(&nns_globals.convert_frame, args[1]);
     set_global(&nns_globals.rewrite_mode, args[2]);
     set_global(&nns_globals.run_eagerly, args[3]);
-    set_global((PyObject **)&nns_globals.module_type, args[4]);
-    set_global((PyObject **)&nns_globals.tensor_type, args[5]);
-    set_global(&nns_globals.is_grad_enabled, args[6]);
-    set_global(&nns_globals.global_hook_dicts, args[7]);
+    set_global(&nns_globals.run_disarmed, args[4]);
+    set_global((PyObject **)&nns_globals.module_type, args[5]);
+    set_global((PyObject **)&nns_globals.tensor_type, args[6]);
+    set_global(&nns_globals.is_grad_enabled, args[7]);
+    set_global(&nns_globals.global_hook_dicts, args[8]);
+    set_global(&nns_globals.internal_prefix, args[9]);
     Py_RETURN_NONE;
 }
 

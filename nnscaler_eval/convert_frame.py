@@ -12,6 +12,8 @@ forward ran).  Exceptions raised by the user's forward propagate unchanged.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -21,7 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs
-from nnscaler_eval._install import RUN_EAGERLY
+from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
+from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import build_state_guards, describe_key
 
 # Code objects that own cache buckets, for reset().
@@ -102,18 +105,30 @@ def _log_recapture(code: Any, bucket: Any, key: list[str]) -> None:
                           " | ".join(reasons) or "no entry matched")
 
 
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn naming the first frame outside nnscaler_eval and torch: the user's line."""
+    frame = sys._getframe(1)
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    while frame is not None and frame.f_code.co_filename.startswith((INTERNAL_PREFIX, torch_dir)):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__", "?"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
 def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
     if len(bucket.entries) < config.cache_size_limit:
         return False
     if not bucket.limit_warned:
         bucket.limit_warned = 1
-        warnings.warn(
+        warn_at_user(
             f"nnscaler: {code_location(code)} reached cache_size_limit="
             f"{config.cache_size_limit} captures for one module; further new input "
-            f"signatures run eagerly. Raise it with nnscaler.compile(..., "
-            f"cache_size_limit=N) if the shapes are expected to vary.",
-            RuntimeWarning,
-            stacklevel=2,
+            f"signatures run eagerly (callees included). Raise it with "
+            f"nnscaler.compile(..., cache_size_limit=N) if the shapes are expected to vary."
         )
     return True
 
@@ -128,11 +143,9 @@ def _compile_runner(config: Any, capture: Any, where: str) -> Callable[..., Any]
             raise RuntimeError(
                 f"nnscaler: backend {config.backend_name!r} failed to compile {where}: {exc}"
             ) from exc
-        warnings.warn(
+        warn_at_user(
             f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
-            f"({type(exc).__name__}: {exc}); running the captured graph with the eager backend",
-            RuntimeWarning,
-            stacklevel=2,
+            f"({type(exc).__name__}: {exc}); running the captured graph with the eager backend"
         )
         return capture.make_runner()
     return capture.make_runner(compiled)
@@ -147,14 +160,14 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     slot_names = tuple(code.co_varnames[: len(slots)])
     try:
         if _over_limit(config, code, bucket):
-            return RUN_EAGERLY, None
+            return RUN_DISARMED, None
         key = describe_key(slot_names, slots, self is not None)
         _log_recapture(code, bucket, key)
     except Warning:
         raise
     except Exception as exc:  # our own failure: the frame runs as it is
-        warnings.warn(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
-                      "running it eagerly", RuntimeWarning, stacklevel=2)
+        warn_at_user(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
+                     "running it eagerly")
         return RUN_EAGERLY, None
 
     capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
@@ -166,15 +179,16 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         if config.fullgraph:
             raise
         # The forward already ran (its result stands); only caching is lost.
-        warnings.warn(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
-                      "this call's result is kept and the next call captures again",
-                      RuntimeWarning, stacklevel=2)
+        warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
+                     "this call's result is kept and the next call captures again")
         return capture.result, None
     return capture.result, entry
 
 
 def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                 where: str) -> Any:
+    if capture.graph_module is not None:
+        release_source_with(capture.graph_module)
     guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards)
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
