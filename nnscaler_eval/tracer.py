@@ -52,6 +52,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from nnscaler_eval import codegen, trace_patches
 from nnscaler_eval.codegen import (
@@ -712,7 +713,11 @@ class Tracer(TorchFunctionMode):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         self._visit(module)
-        if _has_call_hooks(module) or getattr(module, "_compiled_call_impl", None) is not None:
+        if (
+            _has_call_hooks(module)
+            or getattr(module, "_compiled_call_impl", None) is not None
+            or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
+        ):
             return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
 
@@ -895,8 +900,8 @@ class Tracer(TorchFunctionMode):
         if next(_tensors_in(result), None) is None:
             if kind == "getattr":
                 return  # a property (shape, dtype, grad=None...): a constant
-            if kind == "setattr" or result is None:
-                pass  # a side effect: record it as a node
+            if kind == "setattr" or result is None or isinstance(result, RemovableHandle):
+                pass  # a side effect (x[i] = v, x.register_hook(f)): record it as a node
             elif (
                 isinstance(result, _METADATA_RESULT_TYPES)
                 or (kind == "method" and target in _METADATA_NAMES)
@@ -906,10 +911,17 @@ class Tracer(TorchFunctionMode):
                 or func is torch.is_complex
             ):
                 return  # metadata: a constant, guarded by the caller's shape checks
-            else:
+            elif isinstance(result, (bool, int, float, complex, str, list, tuple)) or (
+                type(result).__module__ == "numpy"
+            ):
                 self.graph_break(
                     f"data-dependent value: {_qualname(func)}() returned a Python "
                     f"{type(result).__name__}"
+                )
+                return
+            else:
+                self.graph_break(
+                    f"cannot record {_qualname(func)}(): it returns a {type(result).__name__}"
                 )
                 return
         node_args, node_kwargs = self._graph_arg(args), self._graph_arg(kwargs)

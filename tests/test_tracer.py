@@ -87,6 +87,7 @@ def assert_nothing_patched() -> None:
         torch.autograd.Function.__dict__["apply"].__func__.__module__ == "torch.autograd.function"
     )
     assert torch.cond is torch._higher_order_ops.cond
+    assert torch.jit.ScriptFunction.__call__ is trace_patches._original_script_function_call
     assert current_tracer() is None
 
 
@@ -530,6 +531,31 @@ def test_autograd_function_is_one_node_and_keeps_its_backward():
     assert grad.abs().sum() > 0
 
 
+@torch.jit.script
+def scripted_bias_gelu(x, bias):
+    y = x + bias
+    return y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+
+
+def test_torchscript_is_opaque_never_a_baked_constant():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.jit.script(nn.Linear(4, 4))
+            self.bias = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return scripted_bias_gelu(self.proj(x), self.bias)
+
+    model = Net()
+    with torch.no_grad():  # no grad_fn to betray an unseen computation
+        cap = trace(model, torch.randn(2, 4))
+        assert cap.fallback is None and cap.opaque_modules == [model.proj]
+        x = torch.randn(2, 4)
+        assert_close(replay(cap, model, x), model(x))
+    assert "scripted_bias_gelu(" in cap.runner_source()
+
+
 def test_lstm_passes_its_flag_straight_to_c():
     torch.manual_seed(0)
     model = nn.LSTM(6, 5, num_layers=2, dropout=0.5, batch_first=True)
@@ -561,6 +587,22 @@ def test_flags_given_to_c_functions_with_bool_parameters():
     assert cap.training_inputs == [model] and cap.branched_training == [(model, True)]
     out = replay(cap, model, x)
     assert out.requires_grad and (out == 0).any()
+
+
+def test_tensor_hooks_registered_in_forward_replay():
+    class Net(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.register_hook(lambda grad: grad * 10)
+            return y.sum()
+
+    model = Net()
+    x = torch.ones(3, requires_grad=True)
+    cap = trace(model, x)
+    assert cap.fallback is None
+    x.grad = None
+    replay(cap, model, x).backward()
+    assert torch.equal(x.grad, torch.full((3,), 20.0))
 
 
 # ---------------------------------------------------------------------------
