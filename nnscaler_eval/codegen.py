@@ -565,16 +565,25 @@ def _declare_autocast_contexts(
         source_lines.insert(1, "    " + " = ".join(names) + " = None")
 
 
-def _register_source(name: str, source: str) -> str:
-    """A fresh `<nnscaler graph ...>` filename, with `source` in linecache under it."""
+def _register_source(name: str, source: str) -> tuple[str, Any]:
+    """A fresh `<nnscaler graph ...>` filename, with `source` in linecache under it;
+    returns the filename and the cache entry (to remove exactly that entry later)."""
     base = f"<nnscaler graph {name}"
     with _filename_lock:
         filename, n = base + ">", 1
         while filename in linecache.cache:
             n += 1
             filename = f"{base} #{n}>"
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return filename
+        entry = (len(source), None, source.splitlines(True), filename)
+        linecache.cache[filename] = entry
+    return filename, entry
+
+
+def _forget_source(filename: str, entry: Any) -> None:
+    # Only our own entry: the name may have been reused once a finalizer ran late.
+    with _filename_lock:
+        if linecache.cache.get(filename) is entry:
+            del linecache.cache[filename]
 
 
 def runner_source(
@@ -591,28 +600,16 @@ def runner_source(
     return source, writer.globals
 
 
-class _SourceLoader:
-    """`__loader__` of a runner's globals: lets `linecache.lazycache` (used by
-    traceback) find the source again after `linecache.clearcache()`."""
-
-    def __init__(self, source: str) -> None:
-        self._source = source
-
-    def get_source(self, name: str) -> str:
-        return self._source
-
-
 def make_runner(
     spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None
 ) -> Callable[..., Any]:
     """Compile the runner for `spec` (see module docstring)."""
     source, namespace = runner_source(spec, compiled)
-    filename = _register_source(spec.name, source)
+    filename, entry = _register_source(spec.name, source)
     namespace["__name__"] = "nnscaler_eval.generated"
-    namespace["__loader__"] = _SourceLoader(source)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     runner = namespace["forward"]
     runner.__qualname__ = spec.name
     # The source stays visible for as long as the runner exists.
-    weakref.finalize(runner, linecache.cache.pop, filename, None)
+    weakref.finalize(runner, _forget_source, filename, entry)
     return runner

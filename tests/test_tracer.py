@@ -1033,6 +1033,73 @@ def test_eager_thread_is_unaffected_by_a_trace_on_another_thread():
     assert cap.training_inputs == [traced.drop]
 
 
+def test_two_threads_tracing_at_once():
+    barrier = threading.Barrier(2, timeout=10)
+    meeting = [barrier]  # emptied once both traces are done
+
+    class Meeting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):
+            y = self.fc(x)
+            for place in meeting:
+                place.wait()  # both traces are inside forward now
+            return self.drop(y) * 2
+
+    models = [Meeting(), Meeting()]
+    captures: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            captures[i] = trace(models[i], torch.randn(2, 4))
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    meeting.clear()
+    for model, cap in zip(models, captures):
+        assert cap.fallback is None and cap.training_inputs == [model.drop]
+        model.eval()
+        x = torch.randn(3, 4)
+        assert_close(replay(cap, model, x), model(x))
+
+
+def test_errors_in_a_runner_point_at_generated_source():
+    model = MLP()
+    cap = trace(model, torch.randn(2, 8))
+    runner = cap.make_runner()
+    with pytest.raises(RuntimeError) as info:
+        runner(model, torch.randn(2, 3))
+    text = "".join(__import__("traceback").format_exception(info.value))
+    assert "<nnscaler graph MLP.forward" in text
+    assert "linear = F_linear(x, fc1_weight, fc1_bias)" in text
+
+
+def test_linecache_entries_belong_to_their_runner():
+    model = MLP()
+    cap = trace(model, torch.randn(2, 8))
+    first = cap.make_runner()
+    name = first.__code__.co_filename
+    del first
+    gc.collect()
+    assert name not in linecache.cache  # freed with its runner
+    second = cap.make_runner()
+    third = cap.make_runner()
+    assert second.__code__.co_filename != third.__code__.co_filename
+    del third
+    gc.collect()
+    assert inspect.getsource(second).startswith("def forward")
+
+
 def test_plain_function_capture_without_root():
     hooked = nn.Linear(3, 3)
     hooked.register_forward_hook(lambda m, i, o: o + 1)
