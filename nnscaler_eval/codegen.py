@@ -92,7 +92,9 @@ class RunnerSpec:
     """Everything needed to write a runner for one capture.
 
     Placeholder nodes carry `meta["nnscaler_input"]`: an `InputPath` for a tensor input,
-    or None for a training flag (flags come after all tensor inputs).
+    or None for a training flag (flags come after all tensor inputs, in `flag_names`
+    order). The runner takes one parameter per flag name even when the graph has no
+    flag placeholders left (flags folded for a backend): the C side always passes them.
     """
 
     name: str  # e.g. "Model.forward", used in the code's filename
@@ -103,6 +105,7 @@ class RunnerSpec:
     module_paths: Mapping[str, str]  # target of a module of the root's tree -> its path
     output: OutputLayout
     entry_grad_mode: bool  # grad mode when the graph starts (restored on exceptions)
+    flag_names: tuple[str, ...] = ()  # the runner's training-flag parameters
 
 
 # ---------------------------------------------------------------------------
@@ -316,14 +319,14 @@ class _RunnerWriter:
 
         # Parameters: one per slot, then one per training flag.
         self.param_names = [self.names.fresh(s) for s in spec.slot_names]
-        params = list(self.param_names)
+        flag_params = [self.names.fresh(f) for f in spec.flag_names]
+        params = self.param_names + flag_params
         body: list[str] = []
+        flags = iter(flag_params)
         for node in placeholders:
             source = node.meta.get("nnscaler_input")
             if source is None:  # a training flag
-                name = self.names.fresh(node.name)
-                params.append(name)
-                self.values[node] = name
+                self.values[node] = next(flags)
             elif not source.keys:
                 self.values[node] = self.param_names[source.slot]
             else:

@@ -1134,6 +1134,35 @@ def test_compiled_graph_path_and_example_inputs():
     assert seen == [len(placeholders)]
 
 
+def test_backend_graph_folds_training_for_aot_backends():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+    model = Block(p=0.2).eval()
+    x = torch.randn(2, 6, 16)
+    cap = trace(model, x)
+    gm, example = cap.backend_graph()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(example) == 1
+    assert ifexpr not in [n.target for n in gm.graph.nodes]
+    runner = cap.make_runner(aot_eager(gm, example), training_folded=True)
+    assert_close(replay(cap, model, x, runner=runner), model(x))
+
+    # Buffers mutated by the graph (BatchNorm statistics) stay live through AOT.
+    traced, eager = ConvNet(), ConvNet()
+    eager.load_state_dict(traced.state_dict())
+    inputs = [torch.randn(2, 3, 6, 6) for _ in range(3)]
+    cap = trace(traced, inputs[0])
+    eager(inputs[0])
+    runner = cap.make_runner(aot_eager(*cap.backend_graph()), training_folded=True)
+    for x in inputs[1:]:
+        torch.testing.assert_close(
+            replay(cap, traced, x, runner=runner), eager(x), rtol=1e-5, atol=1e-5
+        )
+    assert_close(traced.bn.running_mean, eager.bn.running_mean)
+    assert int(traced.bn.num_batches_tracked) == 3
+
+
 def test_graph_module_keeps_live_parameters_and_leaves_model_untouched():
     model = ConvNet()
     model.bn.register_forward_hook(lambda m, i, o: o)
