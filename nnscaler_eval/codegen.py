@@ -92,7 +92,9 @@ class RunnerSpec:
     """Everything needed to write a runner for one capture.
 
     Placeholder nodes carry `meta["nnscaler_input"]`: an `InputPath` for a tensor input,
-    or None for a training flag (flags come after all tensor inputs).
+    or None for a training flag (flags come after all tensor inputs, in `flag_names`
+    order). The runner takes one parameter per flag name even when the graph has no
+    flag placeholders left (flags folded for a backend): the C side always passes them.
     """
 
     name: str  # e.g. "Model.forward", used in the code's filename
@@ -103,6 +105,7 @@ class RunnerSpec:
     module_paths: Mapping[str, str]  # target of a module of the root's tree -> its path
     output: OutputLayout
     entry_grad_mode: bool  # grad mode when the graph starts (restored on exceptions)
+    flag_names: tuple[str, ...] = ()  # the runner's training-flag parameters
 
 
 # ---------------------------------------------------------------------------
@@ -316,14 +319,14 @@ class _RunnerWriter:
 
         # Parameters: one per slot, then one per training flag.
         self.param_names = [self.names.fresh(s) for s in spec.slot_names]
-        params = list(self.param_names)
+        flag_params = [self.names.fresh(f) for f in spec.flag_names]
+        params = self.param_names + flag_params
         body: list[str] = []
+        flags = iter(flag_params)
         for node in placeholders:
             source = node.meta.get("nnscaler_input")
             if source is None:  # a training flag
-                name = self.names.fresh(node.name)
-                params.append(name)
-                self.values[node] = name
+                self.values[node] = next(flags)
             elif not source.keys:
                 self.values[node] = self.param_names[source.slot]
             else:
@@ -565,16 +568,25 @@ def _declare_autocast_contexts(
         source_lines.insert(1, "    " + " = ".join(names) + " = None")
 
 
-def _register_source(name: str, source: str) -> str:
-    """A fresh `<nnscaler graph ...>` filename, with `source` in linecache under it."""
+def _register_source(name: str, source: str) -> tuple[str, Any]:
+    """A fresh `<nnscaler graph ...>` filename, with `source` in linecache under it;
+    returns the filename and the cache entry (to remove exactly that entry later)."""
     base = f"<nnscaler graph {name}"
     with _filename_lock:
         filename, n = base + ">", 1
         while filename in linecache.cache:
             n += 1
             filename = f"{base} #{n}>"
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return filename
+        entry = (len(source), None, source.splitlines(True), filename)
+        linecache.cache[filename] = entry
+    return filename, entry
+
+
+def _forget_source(filename: str, entry: Any) -> None:
+    # Only our own entry: the name may have been reused once a finalizer ran late.
+    with _filename_lock:
+        if linecache.cache.get(filename) is entry:
+            del linecache.cache[filename]
 
 
 def runner_source(
@@ -591,28 +603,16 @@ def runner_source(
     return source, writer.globals
 
 
-class _SourceLoader:
-    """`__loader__` of a runner's globals: lets `linecache.lazycache` (used by
-    traceback) find the source again after `linecache.clearcache()`."""
-
-    def __init__(self, source: str) -> None:
-        self._source = source
-
-    def get_source(self, name: str) -> str:
-        return self._source
-
-
 def make_runner(
     spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None
 ) -> Callable[..., Any]:
     """Compile the runner for `spec` (see module docstring)."""
     source, namespace = runner_source(spec, compiled)
-    filename = _register_source(spec.name, source)
+    filename, entry = _register_source(spec.name, source)
     namespace["__name__"] = "nnscaler_eval.generated"
-    namespace["__loader__"] = _SourceLoader(source)
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     runner = namespace["forward"]
     runner.__qualname__ = spec.name
     # The source stays visible for as long as the runner exists.
-    weakref.finalize(runner, linecache.cache.pop, filename, None)
+    weakref.finalize(runner, _forget_source, filename, entry)
     return runner

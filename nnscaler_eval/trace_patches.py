@@ -16,6 +16,8 @@ The wrappers call back into the thread's tracer through a small protocol:
     tracer.on_module_call(module, args, kwargs) -> result
     tracer.on_module_setattr(module, name)        (may raise GraphBreakError)
     tracer.on_python_side_effect(what)            (may raise GraphBreakError)
+    tracer.graph_break(reason)                    (may raise GraphBreakError)
+    tracer.call_opaque(function, args, kwargs) -> result
     tracer.call_with_flags(function, args, kwargs) -> result
     tracer.recording                              (False while suspended / fallen back)
 
@@ -175,6 +177,46 @@ def _cond(
     return tracer.trace_cond(_original_cond, pred, true_fn, false_fn, operands)
 
 
+# TorchScript runs its ops in C++, out of the TorchFunctionMode's sight: a script
+# function called from traced code is one opaque node; a script method called
+# directly (not through its module's __call__) is a fallback.
+_ScriptFunction: Any = torch.jit.ScriptFunction
+_ScriptMethod: Any = torch._C.ScriptMethod
+_original_script_function_call: Any = _ScriptFunction.__call__
+_original_script_method_call: Any = _ScriptMethod.__call__
+_script_targets: dict[int, tuple[Any, Callable[..., Any]]] = {}
+
+
+def script_function_target(function: Any) -> Callable[..., Any]:
+    """A plain function running the script `function`: the graph's target (kept for
+    as long as the process, like the script function itself usually is)."""
+    entry = _script_targets.get(id(function))
+    if entry is None or entry[0] is not function:
+        call = _original_script_function_call
+
+        def script(*args: Any, **kwargs: Any) -> Any:
+            return call(function, *args, **kwargs)
+
+        script.__module__ = "nnscaler_eval.torchscript"
+        script.__qualname__ = script.__name__ = getattr(function, "name", "script_function")
+        entry = _script_targets[id(function)] = (function, script)
+    return entry[1]
+
+
+def _script_function_call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    tracer = _tracing_tracer()
+    if tracer is None:
+        return _original_script_function_call(function, *args, **kwargs)
+    return tracer.call_opaque(script_function_target(function), args, kwargs)
+
+
+def _script_method_call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    tracer = _tracing_tracer()
+    if tracer is not None:
+        tracer.graph_break(f"a TorchScript method ({getattr(method, 'name', '?')}) called directly")
+    return _original_script_method_call(method, *args, **kwargs)
+
+
 def _function_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is None:
@@ -211,6 +253,11 @@ def _install_flag_shims() -> None:
     torch._C._set_grad_enabled = _set_grad_enabled  # type: ignore[assignment]
     _original_function_apply = torch.autograd.Function.__dict__["apply"]
     torch.autograd.Function.apply = classmethod(_function_apply)  # type: ignore[method-assign,assignment]
+    global _original_script_function_call, _original_script_method_call
+    _original_script_function_call = _ScriptFunction.__call__
+    _original_script_method_call = _ScriptMethod.__call__
+    _ScriptFunction.__call__ = _script_function_call
+    _ScriptMethod.__call__ = _script_method_call
     global _original_cond
     if getattr(torch, "cond", None) is not None:
         _original_cond = torch.cond
@@ -234,6 +281,10 @@ def _uninstall_flag_shims() -> None:
         torch._C._set_grad_enabled = _original_set_grad_enabled  # type: ignore[assignment]
     if getattr(torch, "cond", None) is _cond:
         torch.cond = _original_cond
+    if _ScriptFunction.__call__ is _script_function_call:
+        _ScriptFunction.__call__ = _original_script_function_call
+    if _ScriptMethod.__call__ is _script_method_call:
+        _ScriptMethod.__call__ = _original_script_method_call
     apply = torch.autograd.Function.__dict__["apply"]
     if isinstance(apply, classmethod) and apply.__func__ is _function_apply:
         torch.autograd.Function.apply = _original_function_apply  # type: ignore[method-assign]

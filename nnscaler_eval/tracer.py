@@ -38,6 +38,7 @@ Known limits are listed in `Capture`'s docstring.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import operator
 import os
@@ -52,6 +53,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from nnscaler_eval import codegen, trace_patches
 from nnscaler_eval.codegen import (
@@ -108,13 +110,24 @@ class Capture:
     Placeholders: every tensor leaf of the slots, in slot order, then one bool per
     module in `training_inputs`.
 
-    Known limits: a flag or tracked number read directly by C code (`math.sqrt(p)`,
-    `range(self.training)`, `x is True`) is specialised without a recorded branch;
-    module state mutated inside a list/dict attribute is caught one level deep only;
-    tensors hidden in non-pytree objects among the inputs are refused (fallback), not
-    traced; `random` / `time` and other Python-level values are baked in; sharing the
-    *same module instances* with an eager thread while they are being traced is not
-    supported (their `training` attribute is a flag for that time).
+    Keep the runner, not the Capture, in a cache: `graph_module` and `runner_spec`
+    hold the root's submodules (the runner reaches them through its root slot).
+
+    Known limits:
+    - a flag or tracked number read directly by C code (`math.sqrt(p)`,
+      `range(self.training)`, `x is True`) is specialised without a recorded branch;
+      a flag handed to a C function with a `bool` parameter other than those
+      trace_patches wraps (`x.requires_grad_(self.training)`) raises TypeError;
+    - a tensor made outside torch function dispatch (a C extension, the legacy
+      `torch.Tensor(...)` constructor, a `DisableTorchFunction` region) is a fallback
+      when it has a grad_fn, else it is taken for a constant;
+    - `torch.cond` with a tensor predicate falls back; activation checkpointing is
+      inlined (same values and gradients, not its memory savings);
+    - module state mutated inside a list/dict attribute is caught one level deep only;
+      tensors hidden in non-pytree input objects are refused (fallback), not traced;
+      `random`, `time`, logging and other Python-level effects are baked in or lost;
+    - sharing the *same module instances* with an eager thread while they are being
+      traced is not supported (their `training` attribute is a flag for that time).
     """
 
     result: Any
@@ -128,25 +141,68 @@ class Capture:
     runner_spec: Optional[RunnerSpec] = field(default=None, repr=False)
     _example_inputs: list[Any] = field(default_factory=list, repr=False)
 
-    def make_runner(self, compiled: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+    def make_runner(
+        self, compiled: Optional[Callable[..., Any]] = None, *, training_folded: bool = False
+    ) -> Callable[..., Any]:
         """`runner(*slots, *training_flags) -> output`, equal to running the forward.
 
         With `compiled=None` the runner is the graph itself as straight-line Python (the
         "eager" backend). Otherwise `compiled(*placeholders)` is a backend's compiled
         graph: the runner extracts the placeholders from the slots, calls it, and
-        rebuilds the output structure.
+        rebuilds the output structure. `training_folded=True`: `compiled` was made from
+        `backend_graph()`, whose placeholders are the tensor inputs only; the runner
+        still takes the flags (and ignores them).
         """
+        spec = self._spec()
+        if training_folded:
+            spec = dataclasses.replace(spec, graph=self._folded_graph().graph)
+        return codegen.make_runner(spec, compiled)
+
+    def backend_graph(self) -> tuple[fx.GraphModule, list[Any]]:
+        """The graph and example inputs to hand a `torch.compile` backend.
+
+        Training flags are folded to this run's values (`ifexpr` nodes resolved): AOT-
+        based backends (aot_eager, inductor) bake non-tensor inputs in from the example
+        values anyway, silently. So with this graph every module of `training_inputs`
+        needs a guard on its flag, exactly like `branched_training`; use
+        `make_runner(compiled, training_folded=True)`.
+        """
+        folded = self._folded_graph()
+        tensors = len(self._example_inputs) - len(self.training_inputs)
+        return folded, self._example_inputs[:tensors]
+
+    def _spec(self) -> RunnerSpec:
         if self.runner_spec is None:
             raise RuntimeError(
                 f"this capture fell back to eager ({self.fallback}); it has no graph to run"
             )
-        return codegen.make_runner(self.runner_spec, compiled)
+        return self.runner_spec
+
+    def _folded_graph(self) -> fx.GraphModule:
+        spec = self._spec()
+        assert self.graph_module is not None
+        tensors = len(self._example_inputs) - len(self.training_inputs)
+        flag_values = iter(self._example_inputs[tensors:])
+        graph = fx.Graph()
+        env: dict[fx.Node, Any] = {}
+        for node in spec.graph.nodes:
+            if node.op == "placeholder" and node.meta.get("nnscaler_input") is None:
+                env[node] = next(flag_values)
+            elif node.op == "call_function" and node.target is ifexpr:
+                cond, true_value, false_value = fx.node.map_arg(node.args, env.__getitem__)
+                if isinstance(cond, fx.Node):  # a condition the graph computes: keep it
+                    env[node] = graph.node_copy(node, env.__getitem__)
+                else:
+                    env[node] = true_value if cond else false_value
+            else:
+                env[node] = graph.node_copy(node, env.__getitem__)
+        # The copy reads its attributes from the capture's own GraphModule, which
+        # holds the live parameters (and never writes to the user's modules).
+        return fx.GraphModule(self.graph_module, graph, class_name=type(self.graph_module).__name__)
 
     def runner_source(self, compiled: Optional[Callable[..., Any]] = None) -> str:
         """The runner's generated source (for logs, `explain`, tests)."""
-        if self.runner_spec is None:
-            raise RuntimeError(f"this capture fell back to eager ({self.fallback})")
-        return codegen.runner_source(self.runner_spec, compiled)[0]
+        return codegen.runner_source(self._spec(), compiled)[0]
 
     def example_inputs(self) -> list[Any]:
         """The placeholder values of the traced run, in placeholder order (for backends)."""
@@ -712,7 +768,11 @@ class Tracer(TorchFunctionMode):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         self._visit(module)
-        if _has_call_hooks(module) or getattr(module, "_compiled_call_impl", None) is not None:
+        if (
+            _has_call_hooks(module)
+            or getattr(module, "_compiled_call_impl", None) is not None
+            or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
+        ):
             return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
 
@@ -895,8 +955,8 @@ class Tracer(TorchFunctionMode):
         if next(_tensors_in(result), None) is None:
             if kind == "getattr":
                 return  # a property (shape, dtype, grad=None...): a constant
-            if kind == "setattr" or result is None:
-                pass  # a side effect: record it as a node
+            if kind == "setattr" or result is None or isinstance(result, RemovableHandle):
+                pass  # a side effect (x[i] = v, x.register_hook(f)): record it as a node
             elif (
                 isinstance(result, _METADATA_RESULT_TYPES)
                 or (kind == "method" and target in _METADATA_NAMES)
@@ -906,10 +966,17 @@ class Tracer(TorchFunctionMode):
                 or func is torch.is_complex
             ):
                 return  # metadata: a constant, guarded by the caller's shape checks
-            else:
+            elif isinstance(result, (bool, int, float, complex, str, list, tuple)) or (
+                type(result).__module__ == "numpy"
+            ):
                 self.graph_break(
                     f"data-dependent value: {_qualname(func)}() returned a Python "
                     f"{type(result).__name__}"
+                )
+                return
+            else:
+                self.graph_break(
+                    f"cannot record {_qualname(func)}(): it returns a {type(result).__name__}"
                 )
                 return
         node_args, node_kwargs = self._graph_arg(args), self._graph_arg(kwargs)
@@ -1257,6 +1324,11 @@ class Tracer(TorchFunctionMode):
                 slot_names=self.slot_names,
                 root_slot=0 if self.root is not None else None,
                 module_paths=dict(self._module_targets),
+                flag_names=tuple(
+                    n.name
+                    for n in self.graph.nodes
+                    if n.op == "placeholder" and n.meta.get("nnscaler_input") is None
+                ),
                 output=layout,
                 entry_grad_mode=self._entry_grad_mode,
             )

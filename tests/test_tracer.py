@@ -87,6 +87,7 @@ def assert_nothing_patched() -> None:
         torch.autograd.Function.__dict__["apply"].__func__.__module__ == "torch.autograd.function"
     )
     assert torch.cond is torch._higher_order_ops.cond
+    assert torch.jit.ScriptFunction.__call__ is trace_patches._original_script_function_call
     assert current_tracer() is None
 
 
@@ -530,6 +531,31 @@ def test_autograd_function_is_one_node_and_keeps_its_backward():
     assert grad.abs().sum() > 0
 
 
+@torch.jit.script
+def scripted_bias_gelu(x, bias):
+    y = x + bias
+    return y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+
+
+def test_torchscript_is_opaque_never_a_baked_constant():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.jit.script(nn.Linear(4, 4))
+            self.bias = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return scripted_bias_gelu(self.proj(x), self.bias)
+
+    model = Net()
+    with torch.no_grad():  # no grad_fn to betray an unseen computation
+        cap = trace(model, torch.randn(2, 4))
+        assert cap.fallback is None and cap.opaque_modules == [model.proj]
+        x = torch.randn(2, 4)
+        assert_close(replay(cap, model, x), model(x))
+    assert "scripted_bias_gelu(" in cap.runner_source()
+
+
 def test_lstm_passes_its_flag_straight_to_c():
     torch.manual_seed(0)
     model = nn.LSTM(6, 5, num_layers=2, dropout=0.5, batch_first=True)
@@ -561,6 +587,22 @@ def test_flags_given_to_c_functions_with_bool_parameters():
     assert cap.training_inputs == [model] and cap.branched_training == [(model, True)]
     out = replay(cap, model, x)
     assert out.requires_grad and (out == 0).any()
+
+
+def test_tensor_hooks_registered_in_forward_replay():
+    class Net(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.register_hook(lambda grad: grad * 10)
+            return y.sum()
+
+    model = Net()
+    x = torch.ones(3, requires_grad=True)
+    cap = trace(model, x)
+    assert cap.fallback is None
+    x.grad = None
+    replay(cap, model, x).backward()
+    assert torch.equal(x.grad, torch.full((3,), 20.0))
 
 
 # ---------------------------------------------------------------------------
@@ -991,6 +1033,73 @@ def test_eager_thread_is_unaffected_by_a_trace_on_another_thread():
     assert cap.training_inputs == [traced.drop]
 
 
+def test_two_threads_tracing_at_once():
+    barrier = threading.Barrier(2, timeout=10)
+    meeting = [barrier]  # emptied once both traces are done
+
+    class Meeting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):
+            y = self.fc(x)
+            for place in meeting:
+                place.wait()  # both traces are inside forward now
+            return self.drop(y) * 2
+
+    models = [Meeting(), Meeting()]
+    captures: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            captures[i] = trace(models[i], torch.randn(2, 4))
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    meeting.clear()
+    for model, cap in zip(models, captures):
+        assert cap.fallback is None and cap.training_inputs == [model.drop]
+        model.eval()
+        x = torch.randn(3, 4)
+        assert_close(replay(cap, model, x), model(x))
+
+
+def test_errors_in_a_runner_point_at_generated_source():
+    model = MLP()
+    cap = trace(model, torch.randn(2, 8))
+    runner = cap.make_runner()
+    with pytest.raises(RuntimeError) as info:
+        runner(model, torch.randn(2, 3))
+    text = "".join(__import__("traceback").format_exception(info.value))
+    assert "<nnscaler graph MLP.forward" in text
+    assert "linear = F_linear(x, fc1_weight, fc1_bias)" in text
+
+
+def test_linecache_entries_belong_to_their_runner():
+    model = MLP()
+    cap = trace(model, torch.randn(2, 8))
+    first = cap.make_runner()
+    name = first.__code__.co_filename
+    del first
+    gc.collect()
+    assert name not in linecache.cache  # freed with its runner
+    second = cap.make_runner()
+    third = cap.make_runner()
+    assert second.__code__.co_filename != third.__code__.co_filename
+    del third
+    gc.collect()
+    assert inspect.getsource(second).startswith("def forward")
+
+
 def test_plain_function_capture_without_root():
     hooked = nn.Linear(3, 3)
     hooked.register_forward_hook(lambda m, i, o: o + 1)
@@ -1023,6 +1132,35 @@ def test_compiled_graph_path_and_example_inputs():
     model.eval()
     assert_close(replay(cap, model, x, runner=runner), model(x))
     assert seen == [len(placeholders)]
+
+
+def test_backend_graph_folds_training_for_aot_backends():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+    model = Block(p=0.2).eval()
+    x = torch.randn(2, 6, 16)
+    cap = trace(model, x)
+    gm, example = cap.backend_graph()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(example) == 1
+    assert ifexpr not in [n.target for n in gm.graph.nodes]
+    runner = cap.make_runner(aot_eager(gm, example), training_folded=True)
+    assert_close(replay(cap, model, x, runner=runner), model(x))
+
+    # Buffers mutated by the graph (BatchNorm statistics) stay live through AOT.
+    traced, eager = ConvNet(), ConvNet()
+    eager.load_state_dict(traced.state_dict())
+    inputs = [torch.randn(2, 3, 6, 6) for _ in range(3)]
+    cap = trace(traced, inputs[0])
+    eager(inputs[0])
+    runner = cap.make_runner(aot_eager(*cap.backend_graph()), training_folded=True)
+    for x in inputs[1:]:
+        torch.testing.assert_close(
+            replay(cap, traced, x, runner=runner), eager(x), rtol=1e-5, atol=1e-5
+        )
+    assert_close(traced.bn.running_mean, eager.bn.running_mean)
+    assert int(traced.bn.num_batches_tracked) == 3
 
 
 def test_graph_module_keeps_live_parameters_and_leaves_model_untouched():
