@@ -258,13 +258,16 @@ def test_data_dependent_branch_falls_back_and_submodule_is_still_captured():
     pos, neg = torch.ones(2, 4), -torch.ones(2, 4)
     for x in (pos, neg, pos, neg):
         torch.testing.assert_close(eager(x), model(x), **TOL)
+    # the root falls back (one capture attempt, then eager calls); its submodule's
+    # forward is intercepted during those eager calls and captured on its own
+    assert nnscaler.cache_info(model).captures == 0
+    inner = nnscaler.cache_info(model.inner)
+    assert inner.captures >= 1 and inner.hits >= 1
     report = nnscaler.explain(model, pos)
     assert len(report.fallbacks) == 1
     fb = report.fallbacks[0]
     assert fb.filename == __file__ and "x.sum() > 0" in open(__file__).read().splitlines()[fb.lineno - 1]
     assert "data-dependent" in fb.reason or "bool" in fb.reason
-    assert nnscaler.cache_info(model.inner).captures >= 1
-    assert nnscaler.cache_info(model.inner).hits >= 1
 
 
 def test_fullgraph_raises_with_reason_and_location():
@@ -291,7 +294,10 @@ def test_exception_in_forward_names_user_line_and_next_call_works():
     model = nnscaler.compile(Flaky())
     with pytest.raises(RuntimeError) as info:
         model(torch.ones(2, 4))
-    assert any(e.name == "forward" and e.path == __file__ for e in info.traceback)
+    entries = [(str(e.path), e.name) for e in info.traceback]
+    assert (__file__, "forward") in entries
+    # our own frames (convert_frame, tracer) are not in the user's traceback
+    assert not any("nnscaler_eval" in path for path, _ in entries), entries
     model.fail = False
     assert model(torch.ones(2, 4)).shape == (2, 4)
 
