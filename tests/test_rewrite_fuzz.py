@@ -55,6 +55,7 @@ class SourceGen:
         self.rng = rng
         self.nested_scope = 0       # inside a lambda or comprehension: no walrus there
         self.while_counters = 0
+        self.in_fstring = 0
 
     def pick(self, weighted):
         total = sum(w for w, _ in weighted)
@@ -121,12 +122,25 @@ class SourceGen:
             (1, lambda: f"h({e()}, k={e()})"),
             (1, lambda: f"lst[({e()}) % 4]"),
             (0.5, lambda: f"({e()}, {e()})[{r.randint(0, 1)}]"),
+            (0.5, lambda: f"(o if {self.cond(depth - 1)} else self).{r.choice(['p', 'q', 'v'])}"),
+            (0.5, lambda: f"(lst if self.training else [{e()}, 1, 2, 3])[({e()}) % 4]"),
             (0.6, self.comprehension),
             (0.6, self.lambda_call),
         ]
         if not self.nested_scope:
             choices.append((0.4, lambda: f"({r.choice(VARS)} := {e()})"))
+        if not self.in_fstring:
+            choices.append((0.3, lambda: self.fstring(depth)))
         return self.pick(choices)()
+
+    def fstring(self, depth: int) -> str:
+        # FORMAT_VALUE with and without a spec; f-strings do not nest (3.11 quotes)
+        self.in_fstring += 1
+        try:
+            return (f"len(f'{{{self.expr(depth - 1)}}}"
+                    f"{{({self.expr(depth - 1)} if self.training else {self.expr(depth - 1)})!r:>3}}')")
+        finally:
+            self.in_fstring -= 1
 
     def operand(self, depth: int) -> str:
         """An operand of `and` / `or` that holds a variable.  A constant one (`7 or x`)
@@ -367,12 +381,15 @@ class _CM:
 class SelfObj:
     p = 2
     q = -1
+    v = 5
 
     def __init__(self, training):
         self.training = training
 
 
 class O:
+    p = 6
+    q = 7
     v = 3
     w = 0
 
