@@ -502,12 +502,6 @@ put_location_run(ByteBuffer *buf, const NnsLocation *loc, int units, int *prev_l
 }
 
 static int
-same_handler(const NnsHandler *a, const NnsHandler *b)
-{
-    return a->target == b->target && a->depth == b->depth && a->lasti == b->lasti;
-}
-
-static int
 extended_args_for(unsigned int oparg)
 {
     return oparg > 0xFFFFFF ? 3 : oparg > 0xFFFF ? 2 : oparg > 0xFF ? 1 : 0;
@@ -736,7 +730,7 @@ emit_exception_table(const NnsInstrList *list, const int *offsets)
     for (int k = 0; k < list->n;) {
         const NnsHandler *handler = &list->items[k].handler;
         int end = k + 1;
-        while (end < list->n && same_handler(&list->items[end].handler, handler)) {
+        while (end < list->n && bytecode_same_handler(&list->items[end].handler, handler)) {
             end++;
         }
         if (handler->target >= 0) {

@@ -4,18 +4,19 @@ from __future__ import annotations
 import dis
 import opcode
 import types
-from typing import Any, Callable, Tuple
+from collections.abc import Callable
+from typing import Any, Tuple
 
 from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr
 
 
-def rewrite(code: types.CodeType) -> Tuple[types.CodeType, int]:
+def rewrite(code: types.CodeType) -> tuple[types.CodeType, int]:
     """`_C.rewrite_code` with the runtime's `ifexpr`."""
     return _C.rewrite_code(code, ifexpr)
 
 
-def rewritten(fn: Callable[..., Any]) -> Tuple[Callable[..., Any], int]:
+def rewritten(fn: Callable[..., Any]) -> tuple[Callable[..., Any], int]:
     """A copy of `fn` running its rewritten code, and the number of sites rewritten."""
     code, n_sites = rewrite(fn.__code__)
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,

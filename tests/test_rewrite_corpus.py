@@ -30,9 +30,9 @@ import types
 import warnings
 
 import pytest
+from rewrite_util import nested_codes, rewrite, stack_depth
 
 from nnscaler_eval import _C
-from rewrite_util import nested_codes, rewrite, stack_depth
 
 STDLIB = ["typing", "argparse", "inspect", "email.message", "pydoc", "tkinter",
           "tkinter.ttk", "dataclasses", "asyncio.base_events", "unittest.mock", "logging",
@@ -321,7 +321,7 @@ def check_rewritten(code, new, where):
     assert_roundtrip(new, where)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def renamed_corpus(path):
     """(compiled renamed module, expected sites per (co_name, co_firstlineno), keys
     whose count is not modelled exactly)."""
@@ -422,7 +422,7 @@ def test_torch_nn_modules_same_outputs():
                 continue
             try:
                 module = cls()
-            except Exception:  # noqa: BLE001 - needs arguments: skip
+            except Exception:
                 continue
             gen = torch.Generator().manual_seed(0)
             example = None
@@ -432,7 +432,7 @@ def test_torch_nn_modules_same_outputs():
                     module.eval()
                     with torch.no_grad():
                         module(x)
-                except Exception:  # noqa: BLE001 - not this shape
+                except Exception:
                     continue
                 example = x
                 break

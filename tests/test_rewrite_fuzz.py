@@ -33,9 +33,9 @@ import time
 import types
 
 import pytest
+from rewrite_util import rewrite, stack_depth
 
 from nnscaler_eval import _C
-from rewrite_util import rewrite, stack_depth
 
 N_CASES = int(os.environ.get("NNSCALER_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("NNSCALER_FUZZ_SEED", "1311"))
@@ -83,8 +83,8 @@ class SourceGen:
         variable: the compiler folds constant parts of a test away (`self.training and
         7` compiles exactly like `self.training`), which the AST count does not model."""
         r = self.rng
-        v = lambda: r.choice(VARS)  # noqa: E731
-        part = lambda: self.pick([  # noqa: E731
+        v = lambda: r.choice(VARS)
+        part = lambda: self.pick([
             (2, v),
             (1, lambda: f"({v()} < {self.expr(depth - 1)})"),
             (1, lambda: f"({v()} + {self.expr(depth - 1)})"),
@@ -105,7 +105,7 @@ class SourceGen:
         r = self.rng
         if depth <= 0 or r.random() < 0.2:
             return self.atom()
-        e = lambda: self.expr(depth - 1)  # noqa: E731
+        e = lambda: self.expr(depth - 1)
         choices = [
             (5, lambda: f"({e()} if self.training else {e()})"),
             (3, lambda: f"({e()} if not self.training else {e()})"),
@@ -137,8 +137,8 @@ class SourceGen:
         # FORMAT_VALUE with and without a spec; f-strings do not nest (3.11 quotes)
         self.in_fstring += 1
         try:
-            return (f"len(f'{{{self.expr(depth - 1)}}}"
-                    f"{{({self.expr(depth - 1)} if self.training else {self.expr(depth - 1)})!r:>3}}')")
+            plain, a, b = (self.expr(depth - 1) for _ in range(3))
+            return f"len(f'{{{plain}}}{{({a} if self.training else {b})!r:>3}}')"
         finally:
             self.in_fstring -= 1
 
@@ -197,7 +197,7 @@ class SourceGen:
         ]
         if depth <= 0:
             return self.pick(simple)()
-        body = lambda n=None: self.block(indent + 4, depth - 1, n or r.randint(1, 3))  # noqa
+        body = lambda n=None: self.block(indent + 4, depth - 1, n or r.randint(1, 3))
         compound = simple + [
             (2, lambda: [f"{pad}if {self.cond(2)}:", *body()]
              + ([f"{pad}else:", *body()] if r.random() < 0.5 else [])),
@@ -351,7 +351,7 @@ class ToReference(ast.NodeTransformer):
             return node
         nots = training_test(node.test)
         name = "_ref_nifexpr" if nots % 2 else "_ref_ifexpr"
-        at = lambda new: ast.copy_location(new, node)  # noqa: E731
+        at = lambda new: ast.copy_location(new, node)
         test = at(ast.Attribute(value=at(ast.Name(id="self", ctx=ast.Load())),
                                 attr="training", ctx=ast.Load()))
         return at(ast.Call(func=at(ast.Name(id=name, ctx=ast.Load())),
@@ -408,7 +408,7 @@ def method_node(tree):
 def outcome(fn, training, args):
     try:
         return ("ok", fn(SelfObj(training), *args))
-    except Exception as exc:  # noqa: BLE001 - any exception is an outcome to compare
+    except Exception as exc:
         return ("raise", type(exc).__name__, str(exc))
 
 
@@ -422,7 +422,7 @@ def describe(src, code, new_code, why):
     print(f"{why}\n--- source ---\n{src}--- rewritten ---", file=out)
     try:
         dis.dis(new_code, file=out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"(dis failed: {exc!r})", file=out)
     return out.getvalue()
 

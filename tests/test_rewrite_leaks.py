@@ -11,8 +11,9 @@ import gc
 import sys
 import tracemalloc
 
-from nnscaler_eval.runtime import ifexpr
 from rewrite_util import rewrite, rewritten
+
+from nnscaler_eval.runtime import ifexpr
 
 # Small enough to compile 11,000 times in a few seconds; still four sites (one nested,
 # one negated, one under an exception handler) and one jump-context ternary left alone.
