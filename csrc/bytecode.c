@@ -49,6 +49,36 @@ bytecode_code_error(PyCodeObject *code, PyObject *exc_type, const char *format, 
     return -1;
 }
 
+/* Replace the exception being raised with a ValueError that names the code, the
+ * original as its __cause__.  Not for MemoryError, which stays as it is. */
+static void
+raise_from_current(PyCodeObject *code, const char *what)
+{
+    PyObject *type, *value, *traceback;
+
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        return;
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    bytecode_code_error(code, PyExc_ValueError, "%s: %S", what, value);
+    if (value != NULL) {
+        PyObject *new_type, *new_value, *new_traceback;
+        PyErr_Fetch(&new_type, &new_value, &new_traceback);
+        PyErr_NormalizeException(&new_type, &new_value, &new_traceback);
+        if (new_value != NULL) {
+            if (traceback != NULL) {
+                PyException_SetTraceback(value, traceback);
+            }
+            PyException_SetCause(new_value, Py_NewRef(value));  /* steals */
+        }
+        PyErr_Restore(new_type, new_value, new_traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
 void
 bytecode_list_clear(NnsInstrList *list)
 {
@@ -809,6 +839,9 @@ bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts
         goto done;
     }
     result = PyObject_Call(replace, no_args, kwargs);
+    if (result == NULL) {
+        raise_from_current(code, "code.replace() refused the assembled bytecode");
+    }
 
 done:
     PyMem_Free(n_prefixes);

@@ -11,6 +11,8 @@ import gc
 import sys
 import tracemalloc
 
+import pytest
+
 from rewrite_util import rewrite, rewritten
 
 from nnscaler_eval.runtime import ifexpr
@@ -149,3 +151,55 @@ def test_calling_rewritten_functions_100000_times():
         new_fn(models[i & 1], a, i)
 
     assert_flat(step, 100_000, traced=False)
+
+
+FAULT_INJECTION = r'''
+import gc, sys
+import _testcapi
+from nnscaler_eval import _C
+from nnscaler_eval.runtime import ifexpr
+
+code = compile(SOURCE, "<nomem>", "exec").co_consts[0]
+rewrite_code = _C.rewrite_code
+
+def sweep():
+    """Fail the k-th allocation of one rewrite, for every k until rewrites succeed."""
+    failed = clean = 0
+    k = 0
+    while clean <= 20:
+        _testcapi.set_nomemory(k, k + 1)
+        try:
+            rewrite_code(code, ifexpr)
+        except MemoryError:
+            failed += 1
+        else:
+            clean += 1 if k > 50 else 0
+        finally:
+            _testcapi.remove_mem_hooks()
+        k += 1
+    return failed
+
+sweep()
+gc.collect()
+blocks = sys.getallocatedblocks()
+failed = sum(sweep() for _ in range(20))
+gc.collect()
+print(failed, sys.getallocatedblocks() - blocks)
+'''
+
+
+def test_allocation_failures_are_clean():
+    """Make each allocation of a rewrite fail in turn (CPython's _testcapi hooks):
+    every failure must surface as MemoryError, with nothing leaked and no crash.  Runs
+    in a subprocess, where a crash is a test failure rather than the end of pytest."""
+    import subprocess
+    _testcapi = pytest.importorskip("_testcapi")
+    if not hasattr(_testcapi, "set_nomemory"):
+        pytest.skip("no _testcapi.set_nomemory")
+    script = f"SOURCE = {SOURCE.format(k=3)!r}\n" + FAULT_INJECTION
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    failed, grown = map(int, done.stdout.split())
+    assert failed > 20 * 20             # many allocations of the rewrite were failed
+    assert grown < BLOCKS_SLACK, f"{grown} blocks leaked over 20 sweeps"
