@@ -476,6 +476,11 @@ rewrite_training_ifexpr(PyCodeObject *code, PyObject *ifexpr, int *n_sites)
     int sites = 0;
 
     *n_sites = 0;
+    if (!PyCallable_Check(ifexpr)) {
+        PyErr_Format(PyExc_TypeError, "rewrite: ifexpr must be callable, not %.100s",
+                     Py_TYPE(ifexpr)->tp_name);
+        goto done;
+    }
     if (!rewrite_may_apply(code)) {
         result = Py_NewRef((PyObject *)code);
         goto done;

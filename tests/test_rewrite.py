@@ -649,9 +649,11 @@ def test_line_events_under_settrace():
 
 # ---------------------------------------------------------------- errors
 
-def test_non_code_argument():
+def test_bad_arguments():
     with pytest.raises(TypeError):
         _C.rewrite_code(lambda: 0, ifexpr)
+    with pytest.raises(TypeError, match="callable"):
+        _C.rewrite_code(test_bad_arguments.__code__, 42)
 
 
 def test_corrupt_tables_raise_naming_the_code():
