@@ -49,6 +49,36 @@ bytecode_code_error(PyCodeObject *code, PyObject *exc_type, const char *format, 
     return -1;
 }
 
+/* Replace the exception being raised with a ValueError that names the code, the
+ * original as its __cause__.  Not for MemoryError, which stays as it is. */
+static void
+raise_from_current(PyCodeObject *code, const char *what)
+{
+    PyObject *type, *value, *traceback;
+
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        return;
+    }
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    bytecode_code_error(code, PyExc_ValueError, "%s: %S", what, value);
+    if (value != NULL) {
+        PyObject *new_type, *new_value, *new_traceback;
+        PyErr_Fetch(&new_type, &new_value, &new_traceback);
+        PyErr_NormalizeException(&new_type, &new_value, &new_traceback);
+        if (new_value != NULL) {
+            if (traceback != NULL) {
+                PyException_SetTraceback(value, traceback);
+            }
+            PyException_SetCause(new_value, Py_NewRef(value));  /* steals */
+        }
+        PyErr_Restore(new_type, new_value, new_traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
 void
 bytecode_list_clear(NnsInstrList *list)
 {
@@ -502,12 +532,6 @@ put_location_run(ByteBuffer *buf, const NnsLocation *loc, int units, int *prev_l
 }
 
 static int
-same_handler(const NnsHandler *a, const NnsHandler *b)
-{
-    return a->target == b->target && a->depth == b->depth && a->lasti == b->lasti;
-}
-
-static int
 extended_args_for(unsigned int oparg)
 {
     return oparg > 0xFFFFFF ? 3 : oparg > 0xFFFF ? 2 : oparg > 0xFF ? 1 : 0;
@@ -736,7 +760,7 @@ emit_exception_table(const NnsInstrList *list, const int *offsets)
     for (int k = 0; k < list->n;) {
         const NnsHandler *handler = &list->items[k].handler;
         int end = k + 1;
-        while (end < list->n && same_handler(&list->items[end].handler, handler)) {
+        while (end < list->n && bytecode_same_handler(&list->items[end].handler, handler)) {
             end++;
         }
         if (handler->target >= 0) {
@@ -815,6 +839,9 @@ bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts
         goto done;
     }
     result = PyObject_Call(replace, no_args, kwargs);
+    if (result == NULL) {
+        raise_from_current(code, "code.replace() refused the assembled bytecode");
+    }
 
 done:
     PyMem_Free(n_prefixes);

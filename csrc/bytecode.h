@@ -40,6 +40,12 @@ typedef struct {
     int lasti;          /* push the offset of the raising instruction first */
 } NnsHandler;
 
+static inline int
+bytecode_same_handler(const NnsHandler *a, const NnsHandler *b)
+{
+    return a->target == b->target && a->depth == b->depth && a->lasti == b->lasti;
+}
+
 /* Set on instructions a pass inserted (so that a later pass can tell them from the
  * user's own, e.g. the ifexpr call from a call written in the source). */
 #define NNS_INSTR_INSERTED 0x1

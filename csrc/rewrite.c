@@ -46,9 +46,9 @@
  *
  * Jumps that left the first branch now go to the start of <b>; jumps that left the
  * second go to the instruction after <b>; a threaded POP_JUMP_IF_FALSE exit turns
- * back into the JUMP_IF_FALSE_OR_POP it was (it must keep the value now).  Sites are rewritten innermost first
- * (condition positions from last to first), so an outer site sees its inner ones
- * already turned into straight-line calls.
+ * back into the JUMP_IF_FALSE_OR_POP it was (it must keep the value now).  Sites are
+ * rewritten innermost first (condition positions from last to first), so an outer
+ * site sees its inner ones already turned into straight-line calls.
  */
 #include "rewrite.h"
 
@@ -106,12 +106,6 @@ is_training_load(PyCodeObject *code, const NnsInstr *instr)
     }
     PyObject *name = PyTuple_GET_ITEM(code->co_names, index);
     return PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "training") == 0;
-}
-
-static int
-same_handler(const NnsHandler *a, const NnsHandler *b)
-{
-    return a->target == b->target && a->depth == b->depth && a->lasti == b->lasti;
 }
 
 /* Record that instruction `k` is reached at `depth`: 0 when it was reached at another. */
@@ -212,7 +206,7 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
         int kind = nns_opcode_jump_kind(op, &unconditional);
         int jumps_always = kind != 0 && unconditional;
 
-        if (!same_handler(&instr->handler, handler) || nns_opcode_is_store(op)
+        if (!bytecode_same_handler(&instr->handler, handler) || nns_opcode_is_store(op)
             || (nns_opcode_is_call(op) && !(instr->flags & NNS_INSTR_INSERTED))
             || (nns_opcode_is_terminator(op) && !jumps_always)) {
             return 0;
@@ -296,9 +290,9 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
     int first = cond + 3;
     int second = test->target;
     int first_end = second - 1;
-    if (first_end <= first || !same_handler(&items[cond + 1].handler, handler)
-        || !same_handler(&test->handler, handler)
-        || !same_handler(&items[first_end].handler, handler)
+    if (first_end <= first || !bytecode_same_handler(&items[cond + 1].handler, handler)
+        || !bytecode_same_handler(&test->handler, handler)
+        || !bytecode_same_handler(&items[first_end].handler, handler)
         || nns_opcode_jump_kind(items[first_end].opcode, &unconditional) != 1
         || !unconditional) {
         return 0;
@@ -378,11 +372,10 @@ copy_moved(PyCodeObject *code, const NnsInstrList *list, const Site *site, int k
 /* Write the rewritten instruction list of `site` into `out` (empty).  `map` is
  * scratch space of list->n ints: old index -> new index, -1 for dropped ones. */
 static int
-apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *site, int const_index,
+apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *s, int const_index,
            int *map, NnsInstrList *out)
 {
     const NnsInstr *items = list->items;
-    const Site *s = site;
     int n = list->n;
     int pos = s->cond;
 
@@ -448,6 +441,10 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *site, int c
             return -1;
         }
     }
+    if (out->n != pos) {
+        return bytecode_code_error(code, PyExc_SystemError,
+                                   "rewrite laid out %d instructions, wrote %d", pos, out->n);
+    }
     return 0;
 }
 
@@ -479,6 +476,11 @@ rewrite_training_ifexpr(PyCodeObject *code, PyObject *ifexpr, int *n_sites)
     int sites = 0;
 
     *n_sites = 0;
+    if (!PyCallable_Check(ifexpr)) {
+        PyErr_Format(PyExc_TypeError, "rewrite: ifexpr must be callable, not %.100s",
+                     Py_TYPE(ifexpr)->tp_name);
+        goto done;
+    }
     if (!rewrite_may_apply(code)) {
         result = Py_NewRef((PyObject *)code);
         goto done;

@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import dis
+import opcode
 import types
-from typing import Any, Callable, Tuple
+from collections.abc import Callable
+from typing import Any, Tuple
 
 from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr
 
 
-def rewrite(code: types.CodeType) -> Tuple[types.CodeType, int]:
+def rewrite(code: types.CodeType) -> tuple[types.CodeType, int]:
     """`_C.rewrite_code` with the runtime's `ifexpr`."""
     return _C.rewrite_code(code, ifexpr)
 
 
-def rewritten(fn: Callable[..., Any]) -> Tuple[Callable[..., Any], int]:
+def rewritten(fn: Callable[..., Any]) -> tuple[Callable[..., Any], int]:
     """A copy of `fn` running its rewritten code, and the number of sites rewritten."""
     code, n_sites = rewrite(fn.__code__)
     new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__,
@@ -38,25 +40,43 @@ def nested_codes(code: types.CodeType):
             yield from nested_codes(const)
 
 
-_UNCONDITIONAL = {"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT"}
-_NO_FALLTHROUGH = _UNCONDITIONAL | {"RETURN_VALUE", "RAISE_VARARGS", "RERAISE"}
+_UNCONDITIONAL = {dis.opmap[name] for name in
+                  ("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")}
+_NO_FALLTHROUGH = _UNCONDITIONAL | {dis.opmap[name] for name in
+                                    ("RETURN_VALUE", "RAISE_VARARGS", "RERAISE")}
+_BACKWARD = {op for op in dis.hasjrel if "BACKWARD" in dis.opname[op]}
+_JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200   # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 
 
-def stack_depth(code: types.CodeType) -> int:
-    """The deepest stack `code` can reach, by flow analysis over `dis`'s view of it.
+def _instructions(code):
+    """(start offset incl. EXTENDED_ARG prefixes, opcode offset, opcode, oparg, end
+    offset) for each instruction, decoded here rather than by the C layer."""
+    raw = code.co_code
+    out = []
+    i = 0
+    while i < len(raw):
+        start, ext = i, 0
+        while raw[i] == dis.EXTENDED_ARG:
+            ext = (ext | raw[i + 1]) << 8
+            i += 2
+        op, arg = raw[i], raw[i + 1] | ext
+        end = i + 2 + 2 * opcode._inline_cache_entries[op]
+        out.append((start, i, op, arg, end))
+        i = end
+    return out
 
-    Written independently of the C assembler (it reads `dis.stack_effect`, the jump
-    targets `dis` decodes and `dis`'s parse of the exception table) so that the two
-    can check each other.  Raises AssertionError on inconsistent depths, a stack
-    underflow or a jump that lands on no instruction.
+
+def stack_depth(code: types.CodeType) -> int:
+    """The deepest stack `code` can reach, by flow analysis.
+
+    Written independently of the C assembler (its own decoding of co_code,
+    `dis.stack_effect`, `dis`'s parse of the exception table) so that the two can
+    check each other.  Raises AssertionError on inconsistent depths, a stack
+    underflow, or a jump or handler that lands on no instruction.
     """
-    instrs = [i for i in dis.get_instructions(code)]
-    index_of = {ins.offset: k for k, ins in enumerate(instrs)}
-    # a jump may land on the EXTENDED_ARG prefix of its target: both name the same index
-    for k, ins in enumerate(instrs):
-        if ins.opname == "EXTENDED_ARG" and k + 1 < len(instrs):
-            index_of.setdefault(instrs[k + 1].offset, k + 1)
+    instrs = _instructions(code)
+    index_of = {start: k for k, (start, *_rest) in enumerate(instrs)}
     handler_at = {}
     for entry in dis.Bytecode(code).exception_entries:
         assert entry.target in index_of, f"handler target {entry.target} is no instruction"
@@ -69,32 +89,33 @@ def stack_depth(code: types.CodeType) -> int:
 
     def reach(k, d):
         nonlocal max_depth
-        assert d >= 0, f"stack underflow at offset {instrs[k].offset}"
+        assert d >= 0, f"stack underflow at offset {instrs[k][1]}"
         max_depth = max(max_depth, d)
         if depth[k] is None:
             depth[k] = d
             work.append(k)
         else:
-            assert depth[k] == d, f"depth {depth[k]} and {d} meet at offset {instrs[k].offset}"
+            assert depth[k] == d, f"depth {depth[k]} and {d} meet at offset {instrs[k][1]}"
 
     if instrs:
         reach(0, start)
     while work:
         k = work.pop()
-        ins = instrs[k]
+        _, offset, op, arg, end = instrs[k]
         d = depth[k]
-        entry = handler_at.get(ins.offset)
+        entry = handler_at.get(offset)
         if entry is not None:
             reach(index_of[entry.target], entry.depth + int(entry.lasti) + 1)
-        if ins.opname == "EXTENDED_ARG":
-            reach(k + 1, d)
-            continue
-        arg = ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None
-        if ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs:
-            assert ins.argval in index_of, f"jump at {ins.offset} to {ins.argval}"
-            reach(index_of[ins.argval], d + dis.stack_effect(ins.opcode, arg, jump=True))
-        after = d + dis.stack_effect(ins.opcode, arg, jump=False)
+        oparg = arg if op >= dis.HAVE_ARGUMENT else None
+        if op in _JUMPS:
+            if op in dis.hasjabs:
+                target = 2 * arg
+            else:
+                target = end - 2 * arg if op in _BACKWARD else end + 2 * arg
+            assert target in index_of, f"jump at {offset} to {target}"
+            reach(index_of[target], d + dis.stack_effect(op, oparg, jump=True))
+        after = d + dis.stack_effect(op, oparg, jump=False)
         max_depth = max(max_depth, after)
-        if ins.opname not in _NO_FALLTHROUGH:
+        if op not in _NO_FALLTHROUGH:
             reach(k + 1, after)
     return max_depth

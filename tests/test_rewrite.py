@@ -14,10 +14,10 @@ import traceback
 import types
 
 import pytest
+from rewrite_util import ifexpr_calls, nested_codes, rewrite, rewritten, stack_depth
 
 from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr
-from rewrite_util import ifexpr_calls, nested_codes, rewrite, rewritten
 
 
 class Mod:
@@ -176,8 +176,7 @@ def test_inner_with_call_blocks_outer():
     def f(self, a):
         return (abs(a) if self.training else a) if self.training else 0
 
-    new, n_sites = rewritten(f)
-    assert n_sites == 0
+    assert_untouched(f)
 
 
 def test_outer_with_call_keeps_inner():
@@ -223,7 +222,7 @@ def test_discarded_value_before_implicit_exit():
     assert tail.__code__.co_code == statements.__code__.co_code
     assert_untouched(tail)
     assert_untouched(statements)
-    code, n_sites = rewrite(in_finally.__code__)
+    _, n_sites = rewrite(in_finally.__code__)
     assert n_sites == 1     # the normal path's copy has a join; the exceptional one not
 
     def middle(self, a, b):
@@ -341,7 +340,7 @@ def test_loops():
 
 
 def test_lambda():
-    lam = lambda self, a, b: a if self.training else b  # noqa: E731
+    lam = lambda self, a, b: a if self.training else b
     assert_same(lam, 1, 2)
 
 
@@ -465,6 +464,35 @@ def test_many_sites_and_extended_args():
     ns = {}
     exec(f"def method(self):\n{body}", ns)
     assert_same(ns["method"], sites=51)
+
+
+def test_jump_offsets_crossing_one_byte():
+    # Loops whose backward jump is just under 256 code units before the rewrite and
+    # over it after (each site grows by 7 units), and forward jumps over sites:
+    # the assembler must grow EXTENDED_ARG prefixes until offsets settle.
+    grew = 0
+    for filler in range(20, 50):
+        body = "".join(f"        t = t + a{j % 3}\n" for j in range(filler))
+        src = (
+            "def method(self, a0, a1, a2):\n"
+            "    t = 0\n"
+            "    for i in range(3):\n"
+            "        if a0 > 100:\n"
+            "            continue\n"
+            f"{body}"
+            "        t += a0 if self.training else a1\n"
+            "        t += (a1 if not self.training else a2) + (a2 if self.training else 0)\n"
+            "    return t\n"
+        )
+        ns = {}
+        exec(src, ns)
+        fn = ns["method"]
+        new = assert_same(fn, 1, 2, 3, sites=3)
+        extended = [sum(1 for i in dis.get_instructions(f) if i.opname == "EXTENDED_ARG")
+                    for f in (fn, new)]
+        grew += extended[1] > extended[0]
+        assert stack_depth(new.__code__) == new.__code__.co_stacksize
+    assert grew > 0
 
 
 # ---------------------------------------------------------------- the code object
@@ -621,9 +649,11 @@ def test_line_events_under_settrace():
 
 # ---------------------------------------------------------------- errors
 
-def test_non_code_argument():
+def test_bad_arguments():
     with pytest.raises(TypeError):
         _C.rewrite_code(lambda: 0, ifexpr)
+    with pytest.raises(TypeError, match="callable"):
+        _C.rewrite_code(test_bad_arguments.__code__, 42)
 
 
 def test_corrupt_tables_raise_naming_the_code():

@@ -33,9 +33,9 @@ import time
 import types
 
 import pytest
+from rewrite_util import rewrite, stack_depth
 
 from nnscaler_eval import _C
-from rewrite_util import rewrite, stack_depth
 
 N_CASES = int(os.environ.get("NNSCALER_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("NNSCALER_FUZZ_SEED", "1311"))
@@ -55,6 +55,7 @@ class SourceGen:
         self.rng = rng
         self.nested_scope = 0       # inside a lambda or comprehension: no walrus there
         self.while_counters = 0
+        self.in_fstring = 0
 
     def pick(self, weighted):
         total = sum(w for w, _ in weighted)
@@ -82,8 +83,8 @@ class SourceGen:
         variable: the compiler folds constant parts of a test away (`self.training and
         7` compiles exactly like `self.training`), which the AST count does not model."""
         r = self.rng
-        v = lambda: r.choice(VARS)  # noqa: E731
-        part = lambda: self.pick([  # noqa: E731
+        v = lambda: r.choice(VARS)
+        part = lambda: self.pick([
             (2, v),
             (1, lambda: f"({v()} < {self.expr(depth - 1)})"),
             (1, lambda: f"({v()} + {self.expr(depth - 1)})"),
@@ -104,7 +105,7 @@ class SourceGen:
         r = self.rng
         if depth <= 0 or r.random() < 0.2:
             return self.atom()
-        e = lambda: self.expr(depth - 1)  # noqa: E731
+        e = lambda: self.expr(depth - 1)
         choices = [
             (5, lambda: f"({e()} if self.training else {e()})"),
             (3, lambda: f"({e()} if not self.training else {e()})"),
@@ -121,12 +122,25 @@ class SourceGen:
             (1, lambda: f"h({e()}, k={e()})"),
             (1, lambda: f"lst[({e()}) % 4]"),
             (0.5, lambda: f"({e()}, {e()})[{r.randint(0, 1)}]"),
+            (0.5, lambda: f"(o if {self.cond(depth - 1)} else self).{r.choice(['p', 'q', 'v'])}"),
+            (0.5, lambda: f"(lst if self.training else [{e()}, 1, 2, 3])[({e()}) % 4]"),
             (0.6, self.comprehension),
             (0.6, self.lambda_call),
         ]
         if not self.nested_scope:
             choices.append((0.4, lambda: f"({r.choice(VARS)} := {e()})"))
+        if not self.in_fstring:
+            choices.append((0.3, lambda: self.fstring(depth)))
         return self.pick(choices)()
+
+    def fstring(self, depth: int) -> str:
+        # FORMAT_VALUE with and without a spec; f-strings do not nest (3.11 quotes)
+        self.in_fstring += 1
+        try:
+            plain, a, b = (self.expr(depth - 1) for _ in range(3))
+            return f"len(f'{{{plain}}}{{({a} if self.training else {b})!r:>3}}')"
+        finally:
+            self.in_fstring -= 1
 
     def operand(self, depth: int) -> str:
         """An operand of `and` / `or` that holds a variable.  A constant one (`7 or x`)
@@ -183,7 +197,7 @@ class SourceGen:
         ]
         if depth <= 0:
             return self.pick(simple)()
-        body = lambda n=None: self.block(indent + 4, depth - 1, n or r.randint(1, 3))  # noqa
+        body = lambda n=None: self.block(indent + 4, depth - 1, n or r.randint(1, 3))
         compound = simple + [
             (2, lambda: [f"{pad}if {self.cond(2)}:", *body()]
              + ([f"{pad}else:", *body()] if r.random() < 0.5 else [])),
@@ -337,7 +351,7 @@ class ToReference(ast.NodeTransformer):
             return node
         nots = training_test(node.test)
         name = "_ref_nifexpr" if nots % 2 else "_ref_ifexpr"
-        at = lambda new: ast.copy_location(new, node)  # noqa: E731
+        at = lambda new: ast.copy_location(new, node)
         test = at(ast.Attribute(value=at(ast.Name(id="self", ctx=ast.Load())),
                                 attr="training", ctx=ast.Load()))
         return at(ast.Call(func=at(ast.Name(id=name, ctx=ast.Load())),
@@ -367,12 +381,15 @@ class _CM:
 class SelfObj:
     p = 2
     q = -1
+    v = 5
 
     def __init__(self, training):
         self.training = training
 
 
 class O:
+    p = 6
+    q = 7
     v = 3
     w = 0
 
@@ -391,7 +408,7 @@ def method_node(tree):
 def outcome(fn, training, args):
     try:
         return ("ok", fn(SelfObj(training), *args))
-    except Exception as exc:  # noqa: BLE001 - any exception is an outcome to compare
+    except Exception as exc:
         return ("raise", type(exc).__name__, str(exc))
 
 
@@ -405,7 +422,7 @@ def describe(src, code, new_code, why):
     print(f"{why}\n--- source ---\n{src}--- rewritten ---", file=out)
     try:
         dis.dis(new_code, file=out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"(dis failed: {exc!r})", file=out)
     return out.getvalue()
 
