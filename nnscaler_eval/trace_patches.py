@@ -53,6 +53,10 @@ _original_breakpointhook: Callable[..., Any] = sys.breakpointhook
 
 
 def _tracing_tracer() -> Optional[Any]:
+    # torch.compile tracing through these patches (eager torch.cond compiles its
+    # branches) must see the plain functions: Dynamo cannot inline our tracer.
+    if torch.compiler.is_compiling():
+        return None
     tracer = current_tracer()
     if tracer is not None and getattr(tracer, "recording", False):
         return tracer

@@ -49,6 +49,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx import _lazy_graph_module
 import torch.nn as nn
 import torch.nn.modules.module as module_globals
 import torch.utils._pytree as pytree
@@ -1314,9 +1315,13 @@ class Tracer(TorchFunctionMode):
         )
         if self.fallback is None and layout is not None:
             self.graph.lint()
-            graph_module = fx.GraphModule(
-                self._attribute_source(), self.graph, class_name=_class_name(name)
-            )
+            # Lazy: fx compiles the module's Python source only when .code or forward
+            # is used (explain, export, backends). An eager GraphModule costs a
+            # compile() per capture and leaves a cache key behind in torch.fx.
+            with _lazy_graph_module._use_lazy_graph_module(True):
+                graph_module = _lazy_graph_module._make_graph_module(
+                    self._attribute_source(), self.graph, class_name=_class_name(name)
+                )
             runner_spec = RunnerSpec(
                 name=name,
                 graph=self.graph,

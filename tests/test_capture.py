@@ -260,8 +260,8 @@ def test_data_dependent_branch_falls_back_and_submodule_is_still_captured():
         torch.testing.assert_close(eager(x), model(x), **TOL)
     # the root falls back (one capture attempt, then eager calls); its submodule's
     # forward is intercepted during those eager calls and captured on its own
-    assert nnscaler.cache_info(model).captures == 0
     inner = nnscaler.cache_info(model.inner)
+    assert nnscaler.cache_info(model).captures == inner.captures  # none for the root
     assert inner.captures >= 1 and inner.hits >= 1
     report = nnscaler.explain(model, pos)
     assert len(report.fallbacks) == 1
