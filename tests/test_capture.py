@@ -385,3 +385,34 @@ def test_recapture_logs_name_the_guard(caplog):
         model(torch.randn(2, 16))
         model(torch.randn(3, 16))
     assert any("(2, 16)" in r.message and "(3, 16)" in r.message for r in caplog.records)
+
+
+def test_submodule_training_expression_is_a_graph_input_too():
+    """A submodule's forward is inlined by the tracer; its `a if self.training else b`
+    must still be rewritten (one graph for both modes, no branch guard)."""
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = 0.5
+
+        def forward(self, x):
+            return F.dropout(x, p=self.p if self.training else 0.0, training=self.training)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    eager, model = pair(Outer())
+    x = torch.randn(4, 8)
+    for i in range(10):
+        mode = "train" if i % 2 else "eval"
+        getattr(eager, mode)()
+        getattr(model, mode)()
+        a, b = same_seed_outputs(eager, model, x, seed=i)
+        torch.testing.assert_close(a, b, **TOL)
+    assert nnscaler.cache_info(model).captures == 1
