@@ -133,28 +133,53 @@ def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
     return True
 
 
-def _compile_runner(config: Any, capture: Any, where: str) -> Callable[..., Any]:
+_backend_failures_warned: set[tuple[str, Any]] = set()
+
+
+def _compile_runner(config: Any, capture: Any, code: Any,
+                    where: str) -> tuple[Callable[..., Any], list[tuple[Any, bool]]]:
+    """The runner for this capture and the extra flag guards it needs.
+
+    "eager": the graph as generated Python; training flags stay graph inputs.  Any
+    other backend gets the graph with the flags folded to this run's values (AOT
+    backends bake non-tensor inputs in anyway), so each such flag is guarded by value.
+    """
     if config.backend_fn is None:
-        return capture.make_runner()
+        return capture.make_runner(), []
+    gm, example_inputs = capture.backend_graph()
     try:
-        compiled = config.backend_fn(capture.graph_module, capture.example_inputs())
+        compiled = config.backend_fn(gm, example_inputs)
+        if not callable(compiled):
+            raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
         if config.fullgraph:
             raise RuntimeError(
-                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: {exc}"
+                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
-        warn_at_user(
-            f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
-            f"({type(exc).__name__}: {exc}); running the captured graph with the eager backend"
-        )
-        return capture.make_runner()
-    return capture.make_runner(compiled)
+        if (config.backend_name, code) not in _backend_failures_warned:
+            _backend_failures_warned.add((config.backend_name, code))
+            warn_at_user(
+                f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
+                f"({type(exc).__name__}: {exc}); running the captured graph with the "
+                f"eager backend instead"
+            )
+        return capture.make_runner(), []
+    n_tensors = len(example_inputs)
+    flags = capture.example_inputs()[n_tensors:]
+    folded = [(module, bool(value)) for module, value in zip(capture.training_inputs, flags)]
+    return capture.make_runner(compiled, training_folded=True), folded
 
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any) -> tuple[Any, Any]:
     from nnscaler_eval import tracer
 
+    if isinstance(self, torch.fx.GraphModule):
+        # Already a graph (a backend running or tracing its compiled graph): never
+        # captured again, and not looked at again either.
+        _C.mark_skip(code)
+        return RUN_EAGERLY, None
     known_codes.add(code)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
@@ -189,17 +214,18 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                 where: str) -> Any:
     if capture.graph_module is not None:
         release_source_with(capture.graph_module)
-    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards)
+    folded_flags: list[tuple[Any, bool]] = []
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
         runner = None
     else:
-        runner = _compile_runner(config, capture, where)
+        runner, folded_flags = _compile_runner(config, capture, code, where)
         runner_code = getattr(runner, "__code__", None)
         if runner_code is not None:
             _C.mark_skip(runner_code)
         if logs.graph.isEnabledFor(10):
             logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
+    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards, folded_flags)
     if logs.guards.isEnabledFor(10):
         logs.guards.debug("guards of %s:\n  key: %s\n  state: %s", where, "; ".join(key),
                           "; ".join(guards.names) or "none")
