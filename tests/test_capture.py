@@ -98,26 +98,25 @@ def test_containers_and_shared_submodules():
     assert nnscaler.cache_info(model).hits >= 4
 
 
-def test_value_only_training_is_captured_once_across_100_toggles():
-    eager, model = pair(ValueOnly())
-    x = torch.randn(3, 4)
-    for i in range(100):
+def toggle_and_compare(eager, model, x, toggles: int) -> None:
+    """Alternate eval()/train() on both models; outputs equal (same dropout seed)."""
+    for i in range(toggles):
         mode = "train" if i % 2 else "eval"
         getattr(eager, mode)()
         getattr(model, mode)()
         a, b = same_seed_outputs(eager, model, x, seed=i)
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_value_only_training_is_captured_once_across_100_toggles():
+    eager, model = pair(ValueOnly())
+    toggle_and_compare(eager, model, torch.randn(3, 4), 100)
     assert nnscaler.cache_info(model).captures == 1
 
 
 def test_branching_on_training_is_captured_twice_across_100_toggles():
     eager, model = pair(Branchy())
-    x = torch.randn(3, 4)
-    for i in range(100):
-        mode = "train" if i % 2 else "eval"
-        getattr(eager, mode)()
-        getattr(model, mode)()
-        torch.testing.assert_close(eager(x), model(x), **TOL)
+    toggle_and_compare(eager, model, torch.randn(3, 4), 100)
     assert nnscaler.cache_info(model).captures == 2
 
 
@@ -408,11 +407,5 @@ def test_submodule_training_expression_is_a_graph_input_too():
             return self.inner(x) * 2
 
     eager, model = pair(Outer())
-    x = torch.randn(4, 8)
-    for i in range(10):
-        mode = "train" if i % 2 else "eval"
-        getattr(eager, mode)()
-        getattr(model, mode)()
-        a, b = same_seed_outputs(eager, model, x, seed=i)
-        torch.testing.assert_close(a, b, **TOL)
+    toggle_and_compare(eager, model, torch.randn(4, 8), 10)
     assert nnscaler.cache_info(model).captures == 1
