@@ -413,7 +413,9 @@ def same(expected, got):
     return True
 
 
-def test_torch_nn_modules_same_outputs():
+def fed_nn_modules():
+    """(name, module, example input) for each torch.nn module with a Python forward
+    that builds with default arguments and accepts one of SHAPES."""
     fed = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -425,7 +427,6 @@ def test_torch_nn_modules_same_outputs():
             except Exception:
                 continue
             gen = torch.Generator().manual_seed(0)
-            example = None
             for shape in SHAPES:
                 x = torch.rand(shape, generator=gen) * 2 - 0.5
                 try:
@@ -434,11 +435,17 @@ def test_torch_nn_modules_same_outputs():
                         module(x)
                 except Exception:
                     continue
-                example = x
+                fed.append((name, module, x))
                 break
-            if example is None:
-                continue
-            forward, _ = rewritten_method(cls.forward, module)
+    return fed
+
+
+def test_torch_nn_modules_same_outputs():
+    fed = fed_nn_modules()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, module, example in fed:
+            forward, _ = rewritten_method(type(module).forward, module)
             for train in (True, False):
                 module.train(train)
                 torch.manual_seed(7)
@@ -446,7 +453,27 @@ def test_torch_nn_modules_same_outputs():
                 torch.manual_seed(7)
                 got = forward(example)
                 assert same(expected, got), f"torch.nn.{name} (train={train})"
-            fed.append(name)
-    assert len(fed) >= 30, fed
+    names = [name for name, _, _ in fed]
+    assert len(names) >= 30, names
     for name in ("Dropout", "ReLU", "Softmax", "Identity", "Flatten"):
-        assert name in fed
+        assert name in names
+
+
+def test_torch_nn_modules_same_outputs_under_rewrite_mode():
+    """The same modules called normally inside `nnscaler.eval_frame.enable()`: the C
+    hook runs their rewritten forwards (and every helper they call)."""
+    import nnscaler
+
+    fed = fed_nn_modules()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, module, example in fed:
+            for train in (True, False):
+                module.train(train)
+                torch.manual_seed(7)
+                expected = module(example)
+                torch.manual_seed(7)
+                with nnscaler.eval_frame.enable():
+                    got = module(example)
+                assert same(expected, got), f"torch.nn.{name} (train={train})"
+    assert len(fed) >= 30
