@@ -56,7 +56,8 @@ typedef struct {
     int op_pop_jump_forward_if_false, op_pop_jump_forward_if_true;
     int op_jump_forward, op_jump_backward, op_jump_backward_no_interrupt;
     int op_push_null, op_precall, op_call, op_call_function_ex, op_swap;
-    int op_store_fast, op_kw_names;
+    int op_store_fast, op_kw_names, op_copy;
+    int op_jump_if_true_or_pop, op_jump_if_false_or_pop;
     int have_argument;        /* opcodes >= this take an argument */
 } NnsOpcodes;
 
@@ -73,5 +74,18 @@ int nns_opcode_stack_effect(int opcode, int oparg, int jump);
 int nns_opcode_is_call(int opcode);
 /* Opcodes that store or delete a name (side effects a rewritten branch may not have). */
 int nns_opcode_is_store(int opcode);
+
+/* ---- code-object details that moved between versions ---- */
+/* Name of fast-locals slot `index` (the oparg of LOAD_FAST / LOAD_DEREF /
+ * LOAD_CLASSDEREF): a local, cell or free variable.  Borrowed; NULL when out of
+ * range. */
+PyObject *nns_code_localsplus_name(PyCodeObject *code, int index);
+/* Index into co_names named by a LOAD_ATTR oparg (3.12 moved a flag into bit 0). */
+int nns_load_attr_name_index(int oparg);
+/* Stack depth on entry to the code's first instruction, for stack-depth analysis.
+ * Non-zero for generator-like code on 3.11: RETURN_GENERATOR's table effect is 0,
+ * yet the resumed frame finds the sent value on the stack (popped by the next
+ * POP_TOP). */
+int nns_code_entry_stack_depth(PyCodeObject *code);
 
 #endif /* NNSCALER_COMPAT_H */

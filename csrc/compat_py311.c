@@ -85,6 +85,9 @@ const NnsOpcodes nns_opcodes = {
     .op_swap = SWAP,
     .op_store_fast = STORE_FAST,
     .op_kw_names = KW_NAMES,
+    .op_copy = COPY,
+    .op_jump_if_true_or_pop = JUMP_IF_TRUE_OR_POP,
+    .op_jump_if_false_or_pop = JUMP_IF_FALSE_OR_POP,
     .have_argument = HAVE_ARGUMENT,
 };
 
@@ -160,6 +163,30 @@ nns_opcode_is_store(int opcode)
     default:
         return 0;
     }
+}
+
+PyObject *
+nns_code_localsplus_name(PyCodeObject *code, int index)
+{
+    /* 3.11 numbers locals, then cells that are not arguments, then free variables,
+     * in one array; co_localsplusnames holds their names in that order. */
+    PyObject *names = code->co_localsplusnames;
+    if (index < 0 || index >= PyTuple_GET_SIZE(names)) {
+        return NULL;
+    }
+    return PyTuple_GET_ITEM(names, index);
+}
+
+int
+nns_load_attr_name_index(int oparg)
+{
+    return oparg;
+}
+
+int
+nns_code_entry_stack_depth(PyCodeObject *code)
+{
+    return (code->co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR)) ? 1 : 0;
 }
 
 #endif /* NNS_PY311 */

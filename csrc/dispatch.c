@@ -8,6 +8,7 @@
  *       (run_eagerly, None) to have the frame evaluated here.
  */
 #include "dispatch.h"
+#include "frameobject.h"
 #include "cache.h"
 #include "call_key.h"
 #include "eval_frame.h"
@@ -47,6 +48,55 @@ done:
         PyMem_Free(args);
     }
     return result;
+}
+
+static int
+is_internal_frame(PyTracebackObject *tb)
+{
+    PyCodeObject *code = PyFrame_GetCode(tb->tb_frame);   /* new reference */
+    int internal = nns_globals.internal_prefix != NULL &&
+                   PyUnicode_Tailmatch(code->co_filename, nns_globals.internal_prefix, 0,
+                                       PY_SSIZE_T_MAX, -1) == 1;
+    Py_DECREF(code);
+    return internal;
+}
+
+/* The user's exception passed through convert_frame and the tracer: unlink their
+ * frames (files under nnscaler_eval/) from the traceback, so that it reads
+ * "your call -> your forward line -> the error", as in eager.  Keeps the original
+ * traceback if anything goes wrong. */
+static void
+strip_internal_frames(void)
+{
+    PyObject *type, *value, *tb;
+    PyObject *kept = NULL;   /* owned list */
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb == NULL || (kept = PyList_New(0)) == NULL) {
+        goto restore;
+    }
+    for (PyTracebackObject *cur = (PyTracebackObject *)tb; cur != NULL; cur = cur->tb_next) {
+        if (!is_internal_frame(cur) && PyList_Append(kept, (PyObject *)cur) < 0) {
+            goto restore;
+        }
+    }
+    Py_ssize_t n = PyList_GET_SIZE(kept);
+    if (n == 0) {
+        goto restore;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTracebackObject *t = (PyTracebackObject *)PyList_GET_ITEM(kept, i);
+        PyObject *next = i + 1 < n ? Py_NewRef(PyList_GET_ITEM(kept, i + 1)) : NULL;
+        Py_XSETREF(t->tb_next, (PyTracebackObject *)next);
+    }
+    Py_SETREF(tb, Py_NewRef(PyList_GET_ITEM(kept, 0)));
+    if (value != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+restore:
+    PyErr_Clear();   /* a failed list append: keep the traceback as it was */
+    Py_XDECREF(kept);
+    PyErr_Restore(type, value, tb);
 }
 
 static PyObject *
@@ -95,6 +145,7 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     if (reply == NULL) {
         /* convert_frame lets the user's own exceptions through and turns its own
          * failures into a warning + run_eagerly; anything here is the user's. */
+        strip_internal_frames();
         goto done;
     }
     if (!PyTuple_Check(reply) || PyTuple_GET_SIZE(reply) != 2) {
@@ -115,6 +166,14 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     if (value == nns_globals.run_eagerly) {
         bucket->fallbacks++;
         result = eval_frame_run_eagerly(ts, frame, cs);
+    }
+    else if (value == nns_globals.run_disarmed) {
+        /* cache_size_limit reached: this call and everything it calls run as in
+         * eager (callees are not captured one by one either). */
+        bucket->fallbacks++;
+        PyObject *config_saved = eval_frame_suspend();
+        result = eval_frame_run_eagerly(ts, frame, cs);
+        eval_frame_resume(config_saved);
     }
     else {
         result = Py_NewRef(value);

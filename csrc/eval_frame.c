@@ -297,13 +297,15 @@ eval_frame_run_eagerly(PyThreadState *ts, NnsFrame *frame, CodeState *cs)
     return run_default(ts, frame, 0);
 }
 
-/* Used by dispatch.c around Python callbacks: our own Python code is never
- * intercepted. Returns the config to hand back to eval_frame_resume. */
+/* Used by dispatch.c around Python callbacks and eager runs: nothing is captured
+ * meanwhile, but frames still run their rewritten code (rewrite mode), so that a
+ * submodule forward inlined by the tracer records `ifexpr` nodes rather than a
+ * Python branch on its training flag.  Returns the config for eval_frame_resume. */
 PyObject *
 eval_frame_suspend(void)
 {
     PyObject *config = tls_arm.config;
-    tls_arm.config = NULL;
+    tls_arm.config = nns_globals.rewrite_mode;
     return config;
 }
 

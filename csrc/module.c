@@ -2,6 +2,7 @@
  *
  * The module is initialised in multi-phase form (PEP 489) but refuses a second
  * interpreter: the PEP 523 hook reaches its state through nns_globals. */
+#include "bytecode.h"
 #include "cache.h"
 #include "code_state.h"
 #include "compat.h"
@@ -114,24 +115,25 @@ set_global(PyObject **slot, PyObject *value)
 }
 
 PyDoc_STRVAR(install_doc,
-"install(ifexpr, convert_frame, rewrite_mode, run_eagerly, module_type, tensor_type,\n"
-"        is_grad_enabled, global_hook_dicts)\n\nHand the C core the Python objects it\n"
+"install(ifexpr, convert_frame, rewrite_mode, run_eagerly, run_disarmed, module_type,\n"
+"        tensor_type, is_grad_enabled, global_hook_dicts, internal_prefix)\n\nHand the C core the Python objects it\n"
 "needs (nnscaler_eval does this once at import).");
 
 static PyObject *
 py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "install() takes 8 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "install() takes 10 arguments");
         return NULL;
     }
-    if (!PyType_Check(args[4]) || !PyType_Check(args[5]) || !PyTuple_Check(args[7])) {
+    if (!PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyTuple_Check(args[8]) ||
+        !PyUnicode_Check(args[9])) {
         PyErr_SetString(PyExc_TypeError, "install(): module_type/tensor_type must be types, "
-                                         "global_hook_dicts a tuple");
+                                         "global_hook_dicts a tuple, internal_prefix a str");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[7]); i++) {
-        if (!PyDict_Check(PyTuple_GET_ITEM(args[7], i))) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[8]); i++) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(args[8], i))) {
             PyErr_SetString(PyExc_TypeError, "install(): global_hook_dicts must hold dicts");
             return NULL;
         }
@@ -140,10 +142,12 @@ py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     set_global(&nns_globals.convert_frame, args[1]);
     set_global(&nns_globals.rewrite_mode, args[2]);
     set_global(&nns_globals.run_eagerly, args[3]);
-    set_global((PyObject **)&nns_globals.module_type, args[4]);
-    set_global((PyObject **)&nns_globals.tensor_type, args[5]);
-    set_global(&nns_globals.is_grad_enabled, args[6]);
-    set_global(&nns_globals.global_hook_dicts, args[7]);
+    set_global(&nns_globals.run_disarmed, args[4]);
+    set_global((PyObject **)&nns_globals.module_type, args[5]);
+    set_global((PyObject **)&nns_globals.tensor_type, args[6]);
+    set_global(&nns_globals.is_grad_enabled, args[7]);
+    set_global(&nns_globals.global_hook_dicts, args[8]);
+    set_global(&nns_globals.internal_prefix, args[9]);
     Py_RETURN_NONE;
 }
 
@@ -172,6 +176,21 @@ rewrite_code(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
 PyDoc_STRVAR(code_state_doc,
 "code_state(code) -> dict or None\n\nWhat the evaluator decided for `code` (None if it\n"
 "has not seen it): skip, forward, n_sites, rewritten, buckets.");
+
+PyDoc_STRVAR(bytecode_roundtrip_doc,
+"_bytecode_roundtrip(code) -> code\n\n"
+"Decode `code` into the rewrite's instruction list and assemble it back unchanged\n"
+"(a test of the bytecode layer; not a public API).");
+
+static PyObject *
+bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "_bytecode_roundtrip(code): code must be a code object");
+        return NULL;
+    }
+    return bytecode_roundtrip((PyCodeObject *)code);
+}
 
 static PyObject *
 py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
@@ -281,6 +300,7 @@ static PyMethodDef module_methods[] = {
     {"arm", (PyCFunction)(void (*)(void))py_arm, METH_FASTCALL, arm_doc},
     {"disarm", py_disarm, METH_O, disarm_doc},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
+    {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
     {"code_state", py_code_state, METH_O, code_state_doc},
     {"decide", py_decide, METH_O, decide_doc},
     {"mark_skip", py_mark_skip, METH_O, "mark_skip(code): never intercept `code`."},

@@ -16,6 +16,8 @@ typedef struct {
     PyObject *convert_frame;       /* nnscaler_eval.convert_frame.convert_frame */
     PyObject *rewrite_mode;        /* the config object that means "rewrite only" */
     PyObject *run_eagerly;         /* sentinel convert_frame returns: evaluate the frame */
+    PyObject *run_disarmed;        /* ... evaluate it with callees not intercepted either */
+    PyObject *internal_prefix;     /* str: directory of nnscaler_eval (frames hidden in tracebacks) */
     PyTypeObject *module_type;     /* torch.nn.Module */
     PyTypeObject *tensor_type;     /* torch._C.TensorBase */
     PyObject *is_grad_enabled;     /* torch.is_grad_enabled */

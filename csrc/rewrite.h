@@ -9,6 +9,10 @@
  * evaluated after the rewrite, so a store would become unconditional).  Only
  * conditional expressions used as values are rewritten; one used directly as the
  * test of an `if`/`while`/`assert` compiles to jumps with no join and is left alone.
+ * So is one whose value is discarded just before an exit the compiler adds (a bare
+ * expression statement ending a function or a `finally` body): its join is copied
+ * into the first branch, and the bytecode is that of an `if self.training:`
+ * statement.  How sites are matched: the design note in rewrite.c.
  */
 #ifndef NNSCALER_REWRITE_H
 #define NNSCALER_REWRITE_H
@@ -21,7 +25,7 @@ int rewrite_may_apply(PyCodeObject *code);
 
 /* Rewrite every qualifying site of `code`.
  *   ifexpr:   the callable placed in co_consts and called by the rewritten code
- *             (borrowed).
+ *             (borrowed; TypeError when it is not callable).
  *   n_sites:  out, the number of sites rewritten.
  * Returns a NEW reference: a new code object when n_sites > 0, otherwise `code`
  * itself.  NULL with an exception set on failure (the caller then runs the original

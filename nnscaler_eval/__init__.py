@@ -6,3 +6,7 @@ from nnscaler_eval import _C  # noqa: F401  (fails early if the extension is mis
 from nnscaler_eval._install import install as _install
 
 _install()
+
+from nnscaler_eval import logs as _logs
+
+_logs.configure()  # NNSCALER_LOGS=recaptures,guards,graph,fallbacks,bytecode

@@ -1,6 +1,8 @@
 """Hands the C core the Python objects it needs; run once when nnscaler_eval is imported."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.modules.module as _module_mod
 
@@ -22,8 +24,19 @@ class _RunEagerly:
         return "<nnscaler run eagerly>"
 
 
+class _RunDisarmed:
+    """What convert_frame returns when the frame, and the frames it calls, should run
+    without interception (cache_size_limit reached)."""
+
+    def __repr__(self) -> str:
+        return "<nnscaler run disarmed>"
+
+
 REWRITE_MODE = _RewriteMode()
 RUN_EAGERLY = _RunEagerly()
+RUN_DISARMED = _RunDisarmed()
+# Frames of files under this directory are removed from tracebacks of user errors.
+INTERNAL_PREFIX = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 GLOBAL_HOOK_DICT_NAMES = (
     "_global_forward_hooks",
@@ -51,8 +64,10 @@ def install() -> None:
         convert_frame,
         REWRITE_MODE,
         RUN_EAGERLY,
+        RUN_DISARMED,
         torch.nn.Module,
         torch._C.TensorBase,
         torch.is_grad_enabled,
         global_hook_dicts(),
+        INTERNAL_PREFIX,
     )

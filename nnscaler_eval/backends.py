@@ -15,6 +15,8 @@ def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
     """(callable or None for eager, display name); raises a clear error for bad input."""
     if backend is None or backend == "eager":
         return None, "eager"
+    if isinstance(backend, str) and backend in BUILTIN_BACKENDS:
+        return BUILTIN_BACKENDS[backend], backend
     if isinstance(backend, str):
         from torch._dynamo.backends.registry import list_backends, lookup_backend
 
@@ -31,3 +33,53 @@ def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
         f"nnscaler.compile(): backend must be a name or a callable(gm, example_inputs), "
         f"not {type(backend).__name__}"
     )
+
+
+def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
+    """Record the graph into a CUDA graph (torch.cuda's graph API owns the memory
+    pool) and return a callable that copies its inputs into the static input buffers,
+    replays, and returns copies of the static outputs.
+
+    Inference only: it refuses (and the caller then runs the graph with the eager
+    backend, with one warning) when no CUDA device is present, when an input is not a
+    CUDA tensor, or when autograd would be needed.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("cudagraphs needs a CUDA device and none is available")
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    off_device = [i for i, t in enumerate(example_inputs)
+                  if not (isinstance(t, torch.Tensor) and t.is_cuda)]
+    if off_device:
+        raise ValueError(f"cudagraphs needs every graph input on a CUDA device; "
+                         f"inputs {off_device} are not")
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
+                                    or any(p.requires_grad for p in gm.parameters())):
+        raise ValueError("cudagraphs is inference only: call under torch.no_grad() "
+                         "(or with requires_grad=False everywhere)")
+    static_inputs = [t.clone() for t in example_inputs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: lazy initialisation outside the recording
+            gm(*static_inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_outputs = gm(*static_inputs)
+
+    def replay(*inputs: Any) -> Any:
+        for buffer, value in zip(static_inputs, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        # the static outputs are overwritten by the next replay: hand out copies
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in static_outputs) \
+            if isinstance(static_outputs, (tuple, list)) else static_outputs.clone()
+
+    replay.cuda_graph = graph  # type: ignore[attr-defined]
+    return replay
+
+
+# Names this project implements itself; everything else comes from torch's registry.
+BUILTIN_BACKENDS: dict[str, Callable[..., Any]] = {"cudagraphs": cudagraphs}

@@ -12,6 +12,8 @@ forward ran).  Exceptions raised by the user's forward propagate unchanged.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -21,7 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs
-from nnscaler_eval._install import RUN_EAGERLY
+from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
+from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import build_state_guards, describe_key
 
 # Code objects that own cache buckets, for reset().
@@ -102,59 +105,94 @@ def _log_recapture(code: Any, bucket: Any, key: list[str]) -> None:
                           " | ".join(reasons) or "no entry matched")
 
 
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn naming the first frame outside nnscaler_eval and torch: the user's line."""
+    frame = sys._getframe(1)
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    while frame is not None and frame.f_code.co_filename.startswith((INTERNAL_PREFIX, torch_dir)):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__", "?"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
 def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
     if len(bucket.entries) < config.cache_size_limit:
         return False
     if not bucket.limit_warned:
         bucket.limit_warned = 1
-        warnings.warn(
+        warn_at_user(
             f"nnscaler: {code_location(code)} reached cache_size_limit="
             f"{config.cache_size_limit} captures for one module; further new input "
-            f"signatures run eagerly. Raise it with nnscaler.compile(..., "
-            f"cache_size_limit=N) if the shapes are expected to vary.",
-            RuntimeWarning,
-            stacklevel=2,
+            f"signatures run eagerly (callees included). Raise it with "
+            f"nnscaler.compile(..., cache_size_limit=N) if the shapes are expected to vary."
         )
     return True
 
 
-def _compile_runner(config: Any, capture: Any, where: str) -> Callable[..., Any]:
+_backend_failures_warned: set[tuple[str, Any]] = set()
+
+
+def _compile_runner(config: Any, capture: Any, code: Any,
+                    where: str) -> tuple[Callable[..., Any], list[tuple[Any, bool]]]:
+    """The runner for this capture and the extra flag guards it needs.
+
+    "eager": the graph as generated Python; training flags stay graph inputs.  Any
+    other backend gets the graph with the flags folded to this run's values (AOT
+    backends bake non-tensor inputs in anyway), so each such flag is guarded by value.
+    """
     if config.backend_fn is None:
-        return capture.make_runner()
+        return capture.make_runner(), []
+    gm, example_inputs = capture.backend_graph()
     try:
-        compiled = config.backend_fn(capture.graph_module, capture.example_inputs())
+        compiled = config.backend_fn(gm, example_inputs)
+        if not callable(compiled):
+            raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
         if config.fullgraph:
             raise RuntimeError(
-                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: {exc}"
+                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
-        warnings.warn(
-            f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
-            f"({type(exc).__name__}: {exc}); running the captured graph with the eager backend",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return capture.make_runner()
-    return capture.make_runner(compiled)
+        if (config.backend_name, code) not in _backend_failures_warned:
+            _backend_failures_warned.add((config.backend_name, code))
+            warn_at_user(
+                f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
+                f"({type(exc).__name__}: {exc}); running the captured graph with the "
+                f"eager backend instead"
+            )
+        return capture.make_runner(), []
+    n_tensors = len(example_inputs)
+    flags = capture.example_inputs()[n_tensors:]
+    folded = [(module, bool(value)) for module, value in zip(capture.training_inputs, flags)]
+    return capture.make_runner(compiled, training_folded=True), folded
 
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any) -> tuple[Any, Any]:
     from nnscaler_eval import tracer
 
+    if isinstance(self, torch.fx.GraphModule):
+        # Already a graph (a backend running or tracing its compiled graph): never
+        # captured again, and not looked at again either.
+        _C.mark_skip(code)
+        return RUN_EAGERLY, None
     known_codes.add(code)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
     try:
         if _over_limit(config, code, bucket):
-            return RUN_EAGERLY, None
+            return RUN_DISARMED, None
         key = describe_key(slot_names, slots, self is not None)
         _log_recapture(code, bucket, key)
     except Warning:
         raise
     except Exception as exc:  # our own failure: the frame runs as it is
-        warnings.warn(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
-                      "running it eagerly", RuntimeWarning, stacklevel=2)
+        warn_at_user(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
+                     "running it eagerly")
         return RUN_EAGERLY, None
 
     capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
@@ -166,26 +204,28 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         if config.fullgraph:
             raise
         # The forward already ran (its result stands); only caching is lost.
-        warnings.warn(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
-                      "this call's result is kept and the next call captures again",
-                      RuntimeWarning, stacklevel=2)
+        warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
+                     "this call's result is kept and the next call captures again")
         return capture.result, None
     return capture.result, entry
 
 
 def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                 where: str) -> Any:
-    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards)
+    if capture.graph_module is not None:
+        release_source_with(capture.graph_module)
+    folded_flags: list[tuple[Any, bool]] = []
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
         runner = None
     else:
-        runner = _compile_runner(config, capture, where)
+        runner, folded_flags = _compile_runner(config, capture, code, where)
         runner_code = getattr(runner, "__code__", None)
         if runner_code is not None:
             _C.mark_skip(runner_code)
         if logs.graph.isEnabledFor(10):
             logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
+    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards, folded_flags)
     if logs.guards.isEnabledFor(10):
         logs.guards.debug("guards of %s:\n  key: %s\n  state: %s", where, "; ".join(key),
                           "; ".join(guards.names) or "none")

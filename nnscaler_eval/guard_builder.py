@@ -9,7 +9,7 @@ Training flags the trace branched on are guarded by value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -48,8 +48,10 @@ def module_label(module: torch.nn.Module, names: dict[int, str]) -> str:
     return names.get(id(module), f"<{type(module).__name__} at {id(module):#x}>")
 
 
-def build_state_guards(capture: Any, root: Optional[torch.nn.Module],
-                       skip_hook_guards: bool) -> StateGuards:
+def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_guards: bool,
+                       extra_flags: Sequence[tuple[torch.nn.Module, bool]] = ()) -> StateGuards:
+    """`extra_flags`: training flags a backend folded into its graph (guarded by value,
+    like the flags the trace branched on)."""
     names = module_names(root)
     guards = StateGuards([], [], [])
     seen: set[int] = set()
@@ -77,7 +79,7 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module],
         for name, d in zip(present, global_hook_dicts()):
             add_dict(d, f"torch.nn.modules.module.{name}")
     seen_flags: set[int] = set()
-    for module, value in capture.branched_training:
+    for module, value in list(capture.branched_training) + list(extra_flags):
         if id(module) in seen_flags:
             continue
         seen_flags.add(id(module))
