@@ -14,8 +14,9 @@ CHART_SPEC: dict[str, dict[str, Any]] = {
     "hook_tax": {"value": "median", "log": False},
     "per_call": {"value": "median", "log": True},
     "guard_check": {"value": "median", "log": True,
-                    "variants": ["dynamo guard check", "dynamo hit overhead",
-                                 "ours hit overhead", "nn.Module call overhead"]},
+                    "variants": ["dynamo guard check", "ours state guards",
+                                 "dynamo hit overhead", "ours hit overhead",
+                                 "nn.Module call overhead"]},
     "lookup": {"value": "median", "log": False, "line": "entries"},
     "capture_time": {"value": "median", "log": True},
     "recaptures": {"value": "median", "log": False},
@@ -190,11 +191,13 @@ def headline(data: dict) -> str:
     for b in ("depth 1, 1 input", "depth 12, 1 input", "depth 48, 1 input",
               "depth 1, 16 inputs"):
         d = find(data, "guard_check", b, "dynamo guard check")
+        og = find(data, "guard_check", b, "ours state guards")
         o = find(data, "guard_check", b, "ours hit overhead")
         do = find(data, "guard_check", b, "dynamo hit overhead")
         if d or o:
             lines.append(f"| guards, {b} | | check {val(d)}; hit overhead {val(do)} | "
-                         f"hit overhead {val(o)} | |")
+                         f"state guards {val(og)} {ratio(og)}; hit overhead {val(o)} "
+                         f"{ratio(o)} | |")
     return "\n".join(lines) if len(lines) > 2 else "(no headline figures in this run)"
 
 
@@ -302,6 +305,7 @@ COLORS = {"eager": "#7f7f7f", "dynamo": "#1f77b4", "aot_eager": "#17becf",
           "armed (capture)": "#ff7f0e", "dynamo alive": "#1f77b4",
           "dynamo run-only": "#17becf", "dynamo guard check": "#17becf",
           "dynamo hit overhead": "#1f77b4", "ours hit overhead": "#d62728",
+          "ours state guards": "#ff7f0e",
           "nn.Module call overhead": "#7f7f7f"}
 WARM = ["#d62728", "#ff7f0e", "#e377c2", "#8c564b"]
 COOL = ["#1f77b4", "#17becf", "#2ca02c", "#9467bd", "#bcbd22", "#7f7f7f"]

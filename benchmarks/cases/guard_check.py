@@ -9,6 +9,11 @@ arguments (1, 4, 16), batch 1, no_grad.  What is timed, interleaved:
 - dynamo hit overhead: calling the torch.compile'd module minus calling the entry's
   transformed code directly (`types.FunctionType(entry.code, globals)(m, *xs)`):
   everything Dynamo does on a hit (OptimizedModule, callback, frame, guards);
+- ours state guards: `entry.check_verbose()` of our cache entry.  On success it runs
+  exactly the hit path's C check of the state guards (`cache_entry_check`: dict
+  version tags of every module dict the trace went through, training flags), plus one
+  METH_NOARGS call; it leaves out the per-call key (XXH3 of the inputs) and the
+  lookup.  The nearest thing to Dynamo's guard check that can be timed from Python;
 - ours hit overhead: calling the nnscaler-compiled module minus calling the cached
   runner directly (`bucket.entries[0].runner(m, *xs)`): nn.Module.__call__'s Python
   frame, our C wrapper, the frame shim, the per-call key (XXH3), the state guards and
@@ -53,17 +58,21 @@ def dynamo_entry(module: torch.nn.Module) -> Any:
     return entries[0]
 
 
-def ours_runner(module: torch.nn.Module) -> Any:
+def ours_entry(module: torch.nn.Module) -> Any:
     from nnscaler_eval import _C
 
     state = _C.code_state(type(module).forward.__code__) or {}
     for bucket in state.get("buckets", []):
         if bucket.self is module and bucket.entries:
-            runner = bucket.entries[0].runner
-            if runner is None:
-                raise NotAvailable("our cache entry has no runner (runs eagerly)")
-            return runner
+            return bucket.entries[0]
     raise NotAvailable("no cache entry of ours for this module")
+
+
+def ours_runner(module: torch.nn.Module) -> Any:
+    runner = ours_entry(module).runner
+    if runner is None:
+        raise NotAvailable("our cache entry has no runner (runs eagerly)")
+    return runner
 
 
 def bench_label(depth: int, n_inputs: int) -> str:
@@ -140,6 +149,16 @@ def run(settings: Settings) -> list[Row]:
                     from exc
             return make_loop(runner, m, *xs)
 
+        def ours_guards() -> Any:
+            nnscaler_module()
+            if "ours" not in state:
+                raise NotAvailable("nnscaler.compile variant did not build")
+            entry = ours_entry(state["ours"])
+            if entry.check_verbose() is not None:
+                raise NotAvailable(f"our state guards fail: {entry.check_verbose()}")
+            state["n_guards"] = entry.n_state_guards
+            return make_loop(entry.check_verbose)
+
         variants = [
             Variant("eager", eager_call, context=torch.no_grad),
             Variant("empty module call", empty_call, context=torch.no_grad),
@@ -149,6 +168,7 @@ def run(settings: Settings) -> list[Row]:
             Variant("dynamo guard check", dynamo_check, context=torch.no_grad),
             Variant("ours", ours_call, context=torch.no_grad),
             Variant("ours runner direct", ours_direct, context=torch.no_grad),
+            Variant("ours state guards", ours_guards, context=torch.no_grad),
         ]
         label = bench_label(depth, n_inputs)
         params = {"depth": depth, "inputs": n_inputs}
@@ -165,6 +185,10 @@ def run(settings: Settings) -> list[Row]:
             ours.ratio, ours.baseline = ours.median / dyn.median, "dynamo hit overhead"
         check = measured.pop("dynamo guard check")
         check.ratio = check.baseline = None
-        rows += list(measured.values()) + [check, module_call, dyn, ours]
+        guards = measured.pop("ours state guards")
+        if guards.status == "ok" and check.status == "ok" and check.median:
+            guards.ratio, guards.baseline = guards.median / check.median, "dynamo guard check"
+            guards.note = f"{state.get('n_guards')} state guards in the entry"
+        rows += list(measured.values()) + [check, guards, module_call, dyn, ours]
     reset_all()
     return rows
