@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any, Optional
 
 from benchmarks.harness import CLOCK_WORDS
@@ -19,7 +20,7 @@ CHART_SPEC: dict[str, dict[str, Any]] = {
                                  "nn.Module call overhead"]},
     "lookup": {"value": "median", "log": False, "line": "entries"},
     "capture_time": {"value": "median", "log": True},
-    "recaptures": {"value": "median", "log": False},
+    "recaptures": {"value": "median", "log": False, "annotate": True},
     "steady_state": {"value": "ratio", "log": False},
     "memory": {"value": "median", "log": False},
 }
@@ -173,7 +174,8 @@ def headline(data: dict) -> str:
         if e or o:
             over = ""
             if e and o and e["status"] == o["status"] == "ok":
-                over = f"+{fmt(o['median'] - e['median'])} µs ({ratio(o)})"
+                diff = o["median"] - e["median"]
+                over = f"{'+' if diff >= 0 else '−'}{fmt(abs(diff))} µs ({ratio(o)})"
             lines.append(f"| per call, {b} | {val(e)} | {val(d)} | {val(o)} | {over} |")
     for b in ("gpt12, batch 8, no_grad", "gpt12, batch 8, fwd+bwd",
               "gpt12, batch 1, no_grad"):
@@ -346,18 +348,22 @@ def _bar_chart(plt: Any, rows: list[dict], title: str, spec: dict) -> Any:
             lo.append(max(0.0, y - (p10 if p10 is not None else y)))
             hi.append(max(0.0, (p90 if p90 is not None else y) - y))
         color = color_of(v, j)
-        ax.bar(xs, ys, width * 0.95, label=v, color=color,
-               yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=2,
-               error_kw={"elinewidth": 0.8, "ecolor": "black"})
+        bars = ax.bar(xs, ys, width * 0.95, label=v, color=color,
+                      yerr=[lo, hi] if any(lo) or any(hi) else None, capsize=2,
+                      error_kw={"elinewidth": 0.8, "ecolor": "black"})
+        if spec.get("annotate"):
+            ax.bar_label(bars, labels=[fmt(y) for y in ys], fontsize=7, padding=1)
     ax.set_xticks(range(n_b))
-    ax.set_xticklabels(benches, rotation=30 if n_b > 4 else 0, ha="right" if n_b > 4 else "center",
-                       fontsize=8)
+    if n_b > 4:
+        ax.set_xticklabels(benches, rotation=30, ha="right", fontsize=8)
+    else:
+        ax.set_xticklabels([textwrap.fill(b, 22) for b in benches], fontsize=8)
     unit = UNIT_WORDS.get(rows[0]["unit"], rows[0]["unit"])
     if use_ratio:
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_ylabel("time / eager time (lower is faster)")
     else:
-        ax.set_ylabel(f"median ({unit})" if unit else "median")
+        ax.set_ylabel(f"median ({unit})" if unit else "count")
     if spec.get("log"):
         ax.set_yscale("log")
     ax.set_title(title + " — bars: median, whiskers: p10–p90", fontsize=10)
@@ -377,3 +383,24 @@ def write_latest(out_dir: str, stem: str) -> None:
         f.write(f"<!-- copy of {stem}.md; data in {stem}.json -->\n"
                 f"Newest run: [{stem}.md]({stem}.md), data [{stem}.json]({stem}.json).\n\n")
         f.write(text)
+
+
+def rerender(json_path: str) -> None:
+    """Rewrite the Markdown report and charts of a results JSON (same folder, same
+    stem): `python -m benchmarks.report benchmarks/results/<date>.json`."""
+    import json
+
+    out_dir, name = os.path.split(os.path.abspath(json_path))
+    stem = name[:-len(".json")]
+    with open(json_path) as f:
+        data = json.load(f)
+    names = charts(data, out_dir, stem)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown(data, names))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in sys.argv[1:]:
+        rerender(path)
