@@ -49,7 +49,7 @@ asan: sysdeps
 	rm -f nnscaler_eval/_C*.so
 
 leakcheck: build
-	$(PY) -m pytest -q tests/test_leaks.py -m slow --run-slow
+	$(PY) -m pytest -q tests/test_leaks.py tests/test_rewrite_leaks.py tests/test_cache_entry.py --run-slow
 
 fuzz: build
 	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q tests/test_rewrite_fuzz.py
