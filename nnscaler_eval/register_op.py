@@ -60,9 +60,9 @@ import functools
 import inspect
 import sys
 import threading
-from types import FrameType
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
+from nnscaler_eval.fx_tracing import active_fx_tracer
 from nnscaler_eval.op_annotation import (
     ERROR_PREFIX,
     AnnotationError,
@@ -214,7 +214,7 @@ def _make_op(fn: Callable[..., Any], annotation: OpAnnotation, op_name: str) -> 
                 return tracer.call_opaque(registered_op, args, kwargs)
             finally:
                 stack.pop()
-        fx_tracer = _fx_tracer_for(args, kwargs)
+        fx_tracer = active_fx_tracer(args, kwargs)
         if fx_tracer is not None:
             return fx_tracer.create_proxy("call_function", registered_op, args, kwargs)
         return fn(*args, **kwargs)
@@ -225,46 +225,6 @@ def _make_op(fn: Callable[..., Any], annotation: OpAnnotation, op_name: str) -> 
     op.__nnscaler_op__ = annotation  # type: ignore[attr-defined]
     op.op_name = op_name  # type: ignore[attr-defined]
     return cast(RegisteredOp, op)
-
-
-def _fx_tracer_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Any]:
-    """The torch.fx tracer to record into, or None to run the function."""
-    fx = sys.modules.get("torch.fx")
-    if fx is None:  # no fx, no Proxy
-        return None
-    proxy = _find_proxy(args, fx.Proxy)
-    if proxy is None:
-        proxy = _find_proxy(kwargs, fx.Proxy)
-    if proxy is not None:
-        return proxy.tracer
-    # is_fx_symbolic_tracing: False under torch.compile/export, and no warning.
-    symbolic = getattr(fx._symbolic_trace, "is_fx_symbolic_tracing", None)
-    if not (symbolic() if symbolic is not None else fx._symbolic_trace.is_fx_tracing()):
-        return None
-    # The flag is process-wide: look for Tracer.trace on *this* thread's stack.
-    trace_code = fx.Tracer.trace.__code__
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is trace_code:
-            return frame.f_locals.get("self")
-        frame = frame.f_back
-    return None
-
-
-def _find_proxy(value: Any, proxy_type: type) -> Optional[Any]:
-    if isinstance(value, proxy_type):
-        return value
-    if isinstance(value, (tuple, list)):
-        items: Any = value
-    elif isinstance(value, dict):
-        items = value.values()
-    else:
-        return None
-    for item in items:
-        found = _find_proxy(item, proxy_type)
-        if found is not None:
-            return found
-    return None
 
 
 def _check_arity(fn: Callable[..., Any], annotation: OpAnnotation) -> None:
