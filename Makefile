@@ -25,7 +25,7 @@ sysdeps:
 $(VENV)/.deps: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)" pytest numpy
+	$(PY) -m pip install -q "$(TORCH_SPEC)" pytest numpy matplotlib
 	touch $@
 
 venv: $(VENV)/.deps
