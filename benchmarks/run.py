@@ -44,7 +44,9 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # results files are tracked: a run before this one must not mark the tree dirty
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                               ":(exclude)benchmarks/results")),
         "memory_gib": _mem_total_gib(),
         "loadavg_start": _loadavg(),
     }
