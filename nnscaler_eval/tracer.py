@@ -58,7 +58,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from nnscaler_eval import codegen, trace_patches
+from nnscaler_eval import _C, codegen, trace_patches
+from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.codegen import (
     ConstantOutput,
     GraphOutput,
@@ -587,8 +588,11 @@ class _BranchTrace:
             param.meta["nnscaler_input"] = InputPath(index, ())
         graph.output(graph.graph_copy(frame.graph, val_map))
         graph.lint()
-        with _lazy_graph_module._use_lazy_graph_module(True):
-            gm = _lazy_graph_module._make_graph_module(dict(frame.attrs), graph, class_name=class_name)
+        # Not lazy: its forward's code object must exist now, to be marked as never a
+        # capture target (a backend running the cond HOP calls it inside compiled code).
+        gm = fx.GraphModule(dict(frame.attrs), graph, class_name=class_name)
+        _C.mark_skip(type(gm).forward.__code__)
+        release_source_with(gm)
         gm.meta["nnscaler_entry_grad_mode"] = self.entry_grad_mode
         return gm
 
