@@ -195,6 +195,8 @@ _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
 _filename_lock = threading.Lock()
 
+_COND = torch.ops.higher_order.cond
+
 
 class _RunnerWriter:
     def __init__(self, spec: RunnerSpec, compiled: Optional[Callable[..., Any]]) -> None:
@@ -400,7 +402,14 @@ class _RunnerWriter:
             if node.op == "get_attr":
                 target = str(node.target)
                 value = self.spec.attr_values[target]
-                if isinstance(value, nn.Module):
+                if isinstance(value, fx.GraphModule) and node.users and all(
+                    u.target is _COND for u in node.users
+                ):
+                    # A torch.cond branch: a generated function of its own.
+                    self.values[node] = self.bind(
+                        make_branch_runner(value, f"{self.spec.name}.{target}"), target
+                    )
+                elif isinstance(value, nn.Module):
                     self.values[node] = self.module_expr(target)
                 else:
                     self.values[node] = self.bind(value, node.name)
@@ -481,6 +490,11 @@ class _RunnerWriter:
             if target is ifexpr:
                 cond, true_value, false_value = (self.render(a) for a in args)
                 return f"{true_value} if {cond} else {false_value}"
+            if target is _COND and all(a in self.values for a in args[1:3]):
+                # Plain Python, not the HOP: one branch call, autograd as in eager.
+                pred, true_fn, false_fn = (self.render(a) for a in args[:3])
+                operands = ", ".join(self.render(a) for a in args[3])
+                return f"{true_fn}({operands}) if {pred} else {false_fn}({operands})"
         function = self.bind(target, _target_hint(target))
         return f"{function}({self.call_args(args, kwargs)})"
 
@@ -601,6 +615,36 @@ def runner_source(
         _declare_autocast_contexts(plain, writer, spec.graph)
         source = "\n".join(plain) + "\n"
     return source, writer.globals
+
+
+def make_branch_runner(gm: fx.GraphModule, name: str) -> Callable[..., Any]:
+    """A torch.cond branch graph (placeholders: operands, then lifted values; output:
+    a flat tuple) as a generated function `branch(*operands) -> tuple`."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    count = len(cast(tuple, output.args[0]))
+    attrs: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            attrs[str(node.target)] = value
+    spec = RunnerSpec(
+        name=name,
+        graph=graph,
+        attr_values=attrs,
+        slot_names=tuple(p.name for p in placeholders),
+        root_slot=None,
+        module_paths={},
+        output=OutputLayout(
+            pytree.tree_flatten(tuple(range(count)))[1],
+            tuple(GraphOutput(i) for i in range(count)),
+        ),
+        entry_grad_mode=bool(gm.meta.get("nnscaler_entry_grad_mode", True)),
+    )
+    return make_runner(spec)
 
 
 def make_runner(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import operator
 import os
@@ -53,10 +54,12 @@ from torch.fx import _lazy_graph_module
 import torch.nn as nn
 import torch.nn.modules.module as module_globals
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from nnscaler_eval import codegen, trace_patches
+from nnscaler_eval import _C, codegen, trace_patches
+from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.codegen import (
     ConstantOutput,
     GraphOutput,
@@ -122,8 +125,9 @@ class Capture:
     - a tensor made outside torch function dispatch (a C extension, the legacy
       `torch.Tensor(...)` constructor, a `DisableTorchFunction` region) is a fallback
       when it has a grad_fn, else it is taken for a constant;
-    - `torch.cond` with a tensor predicate falls back; activation checkpointing is
-      inlined (same values and gradients, not its memory savings);
+    - `torch.cond` branches are traced on fake tensors (see `Tracer.trace_cond`):
+      Python side effects inside a branch happen at trace time only; activation
+      checkpointing is inlined (same values and gradients, not its memory savings);
     - module state mutated inside a list/dict attribute is caught one level deep only;
       tensors hidden in non-pytree input objects are refused (fallback), not traced;
       `random`, `time`, logging and other Python-level effects are baked in or lost;
@@ -517,6 +521,113 @@ class _RecordingAborted(Exception):
     """Internal: a graph break happened while building a node; stop recording it."""
 
 
+class _CondNotCapturable(Exception):
+    """Internal: a torch.cond branch cannot be captured; carries the reason and line."""
+
+    def __init__(self, fallback: Fallback) -> None:
+        super().__init__(str(fallback))
+        self.fallback = fallback
+
+
+class _BranchFrame:
+    """The graph of one torch.cond branch while it is traced.
+
+    Its placeholders are the operands (`inputs`) and the values of the enclosing graph
+    it reads (`lifted`: enclosing node -> placeholder; `lifted_values`: that node's
+    value in the run, used for the real run of the taken branch).
+    """
+
+    def __init__(self, graph: fx.Graph, parent_graph: fx.Graph, parent: Optional[_BranchFrame]):
+        self.graph = graph
+        self.parent_graph = parent_graph
+        self.parent = parent
+        self.inputs: list[fx.Node] = []
+        self.lifted: dict[fx.Node, fx.Node] = {}
+        self.lifted_values: dict[fx.Node, Any] = {}
+        self.attrs: dict[str, Any] = {}  # get_attr targets of this graph (nested branches)
+
+    def add_input(self, name: str) -> fx.Node:
+        node = self.graph.placeholder(_identifier(name))
+        self.inputs.append(node)
+        return node
+
+    def lift(self, outer: fx.Node, value: Any) -> fx.Node:
+        placeholder = self.lifted.get(outer)
+        if placeholder is None:
+            # Placeholder order does not matter yet: `_BranchTrace.finish` rebuilds it.
+            placeholder = self.graph.placeholder(_identifier(outer.name))
+            self.lifted[outer] = placeholder
+            self.lifted_values[outer] = value
+        return placeholder
+
+
+@dataclass
+class _BranchTrace:
+    frame: _BranchFrame
+    out_spec: pytree.TreeSpec
+    out_meta: list[tuple[Any, ...]]
+    entry_grad_mode: bool
+
+    def finish(self, operands: int, lifted: list[fx.Node], class_name: str) -> fx.GraphModule:
+        """The branch as a GraphModule taking (*operands, *lifted), in that order, and
+        returning a flat tuple of tensors (as torch.ops.higher_order.cond wants)."""
+        frame = self.frame
+        graph = fx.Graph()
+        val_map: dict[fx.Node, fx.Node] = {}
+        params = []
+        for old in frame.inputs[:operands]:
+            val_map[old] = new = graph.placeholder(old.name)
+            params.append(new)
+        for outer in lifted:
+            old = frame.lifted.get(outer)
+            new = graph.placeholder(old.name if old is not None else _identifier(outer.name))
+            if old is not None:
+                val_map[old] = new
+            params.append(new)
+        for index, param in enumerate(params):
+            param.meta["nnscaler_input"] = InputPath(index, ())
+        graph.output(graph.graph_copy(frame.graph, val_map))
+        graph.lint()
+        # Not lazy: its forward's code object must exist now, to be marked as never a
+        # capture target (a backend running the cond HOP calls it inside compiled code).
+        gm = fx.GraphModule(dict(frame.attrs), graph, class_name=class_name)
+        _C.mark_skip(type(gm).forward.__code__)
+        release_source_with(gm)
+        gm.meta["nnscaler_entry_grad_mode"] = self.entry_grad_mode
+        return gm
+
+
+def _tensor_meta(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """(shape, dtype, device, requires_grad, stride); call with torch function disabled."""
+    return (
+        tuple(tensor.shape),
+        tensor.dtype,
+        tensor.device,
+        tensor.requires_grad,
+        tuple(tensor.stride()),
+    )
+
+
+def _fresh_fake(meta: tuple[Any, ...]) -> torch.Tensor:
+    """A new tensor with `meta` (call inside the fake mode, torch function disabled)."""
+    shape, dtype, device, requires_grad, stride = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def _parameter_names(fn: Callable[..., Any], count: int) -> Optional[list[str]]:
+    """The first `count` positional parameter names of `fn` (branch placeholders)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = [
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return names[:count] if len(names) >= count else None
+
+
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _MISSING = object()
 
@@ -586,8 +697,13 @@ class Tracer(TorchFunctionMode):
         self.slot_names = slot_names
         self.root = root
         self.fullgraph = fullgraph
-        self.graph = fx.Graph()
+        self.graph = fx.Graph()  # the graph being recorded into (a cond branch's, inside one)
+        self._root_graph = self.graph
         self.fallback: Optional[Fallback] = None
+        # Inside a torch.cond branch: its frame, and the fake mode its values live in.
+        self._branch: Optional[_BranchFrame] = None
+        self._fake_mode: Optional[FakeTensorMode] = None
+        self._branch_names = itertools.count()
         self._suspended = 0
 
         # Tensor identity -> node; every tensor seen is kept alive so ids stay unique.
@@ -643,6 +759,10 @@ class Tracer(TorchFunctionMode):
         if self.fallback is not None:
             return
         filename, lineno = location if location is not None else user_location()
+        if self._branch is not None:
+            # Stop tracing the branch now (it runs on fake tensors; nothing is lost):
+            # trace_cond turns this into the frame's fallback, or its parent branch's.
+            raise _CondNotCapturable(Fallback(f"in a torch.cond branch: {reason}", filename, lineno))
         self.fallback = Fallback(reason, filename, lineno)
         if self.fullgraph:
             raise GraphBreakError(self.fallback)
@@ -774,6 +894,11 @@ class Tracer(TorchFunctionMode):
             or getattr(module, "_compiled_call_impl", None) is not None
             or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
         ):
+            if self._branch is not None:  # it would run for real, on fake tensors
+                self.graph_break(
+                    f"a submodule with hooks ({type(module).__name__}) cannot be called in "
+                    "a torch.cond branch"
+                )
             return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
 
@@ -854,21 +979,255 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         """`torch.cond` under this tracer (trace_patches routes it here).
 
-        A Python predicate (a shape test, `self.training`) picks a branch in Python,
-        which is traced inline; a flag or tracked number specialises as any branch on
-        it does. A tensor predicate is not captured yet (it would need both branches
-        as subgraphs without running the untaken one): the frame falls back, and
-        torch.cond runs for real with this mode out of its way.
+        A Python predicate (a shape test) picks a branch in Python, which is traced
+        inline. A tensor predicate, or `self.training`, becomes ONE node
+        `torch.ops.higher_order.cond(pred, true_graph_k, false_graph_k, operands)`
+        whose branches are GraphModules (attributes of the captured one), so one graph
+        serves both outcomes.
+
+        Design note, tracing both branches safely: each branch is traced on fresh fake
+        tensors (FakeTensorMode) standing for the operands, and any real tensor it
+        reads from a closure (parameters, earlier results) is handed to ops as a fake
+        and becomes an explicit input of both branches (torch.cond's "closures become
+        explicit inputs"). So no op of either branch touches real data: the untaken
+        branch has no effect. A branch that would mutate an input or closure, branch
+        on tensor data, call a module with hooks, or do anything else the tracer
+        refuses stops at once; the frame then falls back (reason and branch line) and
+        torch.cond runs for real. Only when both branches are captured does the real
+        run happen: the taken branch's graph on the real values, once.
         """
-        if not isinstance(pred, torch.Tensor) and self.recording:
+        tracked_pred = isinstance(pred, TrainingFlag) and pred.tracer is self
+        if self.recording and not (isinstance(pred, torch.Tensor) or tracked_pred):
             return true_fn(*operands) if plain_value(pred) else false_fn(*operands)
         if self.recording:
-            self.graph_break("torch.cond with a tensor predicate (not captured as one node yet)")
+            try:
+                return self._record_cond(pred, true_fn, false_fn, operands)
+            except _CondNotCapturable as exc:
+                if self._branch is not None:
+                    raise  # the enclosing branch is not capturable either
+                self.graph_break(exc.fallback.reason, (exc.fallback.filename, exc.fallback.lineno))
+            except _RecordingAborted:
+                pass  # graph_break already recorded why
         stack = torch.overrides._get_current_function_mode_stack()
         if stack and stack[-1] is self:
             with torch.overrides._pop_mode_temporarily():
                 return original(pred, true_fn, false_fn, operands)
         return original(pred, true_fn, false_fn, operands)
+
+    def _record_cond(
+        self,
+        pred: Any,
+        true_fn: Callable[..., Any],
+        false_fn: Callable[..., Any],
+        operands: Any,
+    ) -> Any:
+        where = user_location()
+
+        def refuse(reason: str) -> _CondNotCapturable:
+            return _CondNotCapturable(Fallback(f"torch.cond: {reason}", *where))
+
+        if isinstance(pred, torch.Tensor):
+            with torch._C.DisableTorchFunction():
+                if pred.numel() != 1:
+                    raise refuse(f"the predicate has {pred.numel()} elements, not one")
+        if not isinstance(operands, (tuple, list)):
+            raise refuse(f"operands must be a tuple or list, not {type(operands).__name__}")
+        leaves, in_spec = pytree.tree_flatten(tuple(operands))
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise refuse(f"an operand is a {type(leaf).__name__}; only tensors are captured")
+        self._sync_global_state()  # branches start from the run's grad / autocast state
+        pred_arg = self._graph_arg(pred)
+        operand_args = [self._graph_arg(leaf) for leaf in leaves]
+
+        fake_mode = self._fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+        k = next(self._branch_names)  # outer branches get the lower numbers
+        true_trace = self._trace_branch("true", true_fn, leaves, in_spec, fake_mode, where)
+        false_trace = self._trace_branch("false", false_fn, leaves, in_spec, fake_mode, where)
+        if true_trace.out_spec != false_trace.out_spec:
+            raise refuse(
+                f"the branches return different structures ({true_trace.out_spec} vs "
+                f"{false_trace.out_spec})"
+            )
+        for i, (a, b) in enumerate(zip(true_trace.out_meta, false_trace.out_meta)):
+            if a[:3] != b[:3]:
+                raise refuse(f"output {i} differs between the branches: {a[:3]} vs {b[:3]}")
+
+        # Both branches take the operands, then every value either one lifted.
+        lifted: dict[fx.Node, Any] = dict(true_trace.frame.lifted_values)
+        for node, value in false_trace.frame.lifted_values.items():
+            lifted.setdefault(node, value)
+        modules = [
+            trace.finish(len(leaves), list(lifted), _class_name(f"{name}_graph_{k}"))
+            for trace, name in ((true_trace, "true"), (false_trace, "false"))
+        ]
+        attrs = [self._branch_attr(f"{name}_graph_{k}", gm) for name, gm in zip(("true", "false"), modules)]
+        node = self._create_node(
+            "call_function",
+            torch.ops.higher_order.cond,
+            (pred_arg, attrs[0], attrs[1], (*operand_args, *lifted)),
+            {},
+        )
+
+        if self._branch is None:
+            # The real run: the taken branch's graph on the real values, once.
+            if isinstance(pred, torch.Tensor):
+                with torch._C.DisableTorchFunction():
+                    taken = bool(pred)
+            else:
+                taken = quiet_plain(pred)
+            with self.suspended():
+                flat = list(modules[0 if taken else 1](*leaves, *lifted.values()))
+                for i, value in enumerate(flat):
+                    if id(value) in self._tensor_nodes:  # an input passed through
+                        flat[i] = value.view_as(value)
+        else:
+            # Nested in a branch being traced: stand-ins with the outputs' metadata.
+            with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
+                stack.enter_context(fake_mode)
+                flat = [_fresh_fake(meta) for meta in true_trace.out_meta]
+                # Results of an op, not leaves (a leaf that requires grad refuses in-place ops).
+                flat = [t.clone() if t.requires_grad else t for t in flat]
+        self._bind_result(tuple(flat), node, dynamic=False)
+        return pytree.tree_unflatten(flat, true_trace.out_spec)
+
+    def _trace_branch(
+        self,
+        which: str,
+        fn: Callable[..., Any],
+        leaves: list[torch.Tensor],
+        in_spec: pytree.TreeSpec,
+        fake_mode: FakeTensorMode,
+        where: tuple[str, int],
+    ) -> _BranchTrace:
+        """Record `fn(*operands)` into a graph of its own, on fake operands."""
+        frame = _BranchFrame(fx.Graph(), self.graph, self._branch)
+        saved = (
+            self.graph,
+            self._branch,
+            self._fake_mode,
+            self._graph_grad_mode,
+            self._graph_autocast,
+            self._entry_autocast,
+            self._open_autocast,
+        )
+        entry_grad_mode = self._graph_grad_mode
+        self.graph, self._branch, self._fake_mode = frame.graph, frame, fake_mode
+        self._graph_autocast = dict(self._graph_autocast)
+        self._entry_autocast = dict(self._graph_autocast)
+        self._open_autocast = {}
+        names = _parameter_names(fn, len(leaves)) if in_spec == pytree.tree_flatten(tuple(leaves))[1] else None
+        try:
+            with contextlib.ExitStack() as stack:
+                if saved[2] is None:
+                    stack.enter_context(fake_mode)
+                with torch._C.DisableTorchFunction():
+                    fakes = [_fresh_fake(_tensor_meta(leaf)) for leaf in leaves]
+                for i, fake in enumerate(fakes):
+                    self._map(fake, frame.add_input(names[i] if names else f"arg{i}"))
+                out = fn(*pytree.tree_unflatten(fakes, in_spec))
+                out_leaves, out_spec = pytree.tree_flatten(out)
+                for leaf in out_leaves:
+                    if not isinstance(leaf, torch.Tensor):
+                        self.graph_break(f"the branch returns a {type(leaf).__name__}; only tensors are captured")
+                out_nodes = [self._graph_arg(leaf) for leaf in out_leaves]
+                self._sync_global_state()
+                if self._open_autocast:
+                    self.graph_break("the branch leaves autocast changed")
+                with torch._C.DisableTorchFunction():
+                    out_meta = [_tensor_meta(leaf) for leaf in out_leaves]
+            frame.graph.output(tuple(out_nodes))
+        except (_CondNotCapturable, GraphBreakError):
+            raise
+        except _RecordingAborted:
+            raise _CondNotCapturable(
+                Fallback(f"torch.cond: the {which} branch could not be recorded", *where)
+            ) from None
+        except Exception as exc:  # the branch cannot run on fake tensors
+            name = getattr(fn, "__qualname__", None) or repr(fn)
+            raise _CondNotCapturable(
+                Fallback(
+                    f"torch.cond: the {which} branch {name} cannot be traced "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                    *where,
+                )
+            ) from exc
+        finally:
+            (
+                self.graph,
+                self._branch,
+                self._fake_mode,
+                self._graph_grad_mode,
+                self._graph_autocast,
+                self._entry_autocast,
+                self._open_autocast,
+            ) = saved
+        return _BranchTrace(frame, out_spec, out_meta, entry_grad_mode)
+
+    def _branch_attr(self, name: str, gm: fx.GraphModule) -> fx.Node:
+        """A get_attr node for a branch GraphModule, in the graph being recorded."""
+        if self._branch is None:
+            while name in self._attr_values:
+                name += "_"
+            return self._get_attr(name, gm)
+        self._branch.attrs[name] = gm
+        return self.graph.get_attr(name)
+
+    def _local(self, node: fx.Node, value: Any) -> fx.Node:
+        """`node` as a value of the graph being recorded: inside a cond branch, a value
+        of an enclosing graph becomes an input of the branch (lifted, level by level)."""
+        if node.graph is self.graph:
+            return node
+        chain = []
+        frame = self._branch
+        while frame is not None and frame.graph is not node.graph:
+            chain.append(frame)
+            frame = frame.parent
+        if frame is None and node.graph is not self._root_graph:
+            reason = "a value computed inside a torch.cond branch is used outside it"
+            self.graph_break(reason)
+            # It is a fake tensor: running on with it would compute garbage.
+            raise RuntimeError(f"{reason} (torch.cond branches must not leak values)")
+        for frame in reversed(chain):
+            node = frame.lift(node, value)
+        return node
+
+    def _fakeify(self, value: Any) -> Any:
+        """Inside a cond branch, real tensors as fakes: no op of a branch touches real
+        data (FakeTensorMode would otherwise run in-place ops on real inputs)."""
+        if self._fake_mode is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, FakeTensor):
+                return value
+            return self._fake_mode.from_tensor(value)
+        if isinstance(value, (tuple, list)):
+            items = [self._fakeify(v) for v in value]
+            if isinstance(value, list):
+                return items
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        if isinstance(value, dict):
+            return {k: self._fakeify(v) for k, v in value.items()}
+        return value
+
+    def _call_in_branch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one op of a cond branch on fakes, refusing mutation of its inputs."""
+        call_args = self._fakeify(quiet_plain(args))
+        call_kwargs = self._fakeify(quiet_plain(kwargs))
+        inputs = list(_tensors_in((call_args, call_kwargs)))
+        with torch._C.DisableTorchFunction():
+            versions = [t._version for t in inputs]
+        result = func(*call_args, **call_kwargs)
+        with torch._C.DisableTorchFunction():
+            changed = [t for t, v in zip(inputs, versions) if t._version != v]
+        for tensor in changed:
+            node = self._tensor_nodes.get(id(tensor))
+            if node is None or node.graph is not self.graph or node.op == "placeholder":
+                self.graph_break(
+                    f"{_qualname(func)} mutates an input or closure of the branch "
+                    "(torch.cond branches must not)"
+                )
+        return result
 
     def call_opaque(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -881,7 +1240,7 @@ class Tracer(TorchFunctionMode):
         except _RecordingAborted:
             return fn(*args, **kwargs)
         with self.suspended():
-            result = fn(*quiet_plain(args), **quiet_plain(kwargs))
+            result = fn(*self._fakeify(quiet_plain(args)), **self._fakeify(quiet_plain(kwargs)))
         inputs_have_tensors = next(_tensors_in((args, kwargs)), None) is not None
         deps = _unique_modules(_deps_of_args((args, kwargs)))
         try:
@@ -935,7 +1294,10 @@ class Tracer(TorchFunctionMode):
                 "depends on tensor values (nonzero, boolean mask, unique...)"
             )
             return func(*quiet_plain(args), **quiet_plain(kwargs))
-        result = func(*quiet_plain(args), **quiet_plain(kwargs))
+        if self._branch is not None:
+            result = self._call_in_branch(func, args, kwargs)
+        else:
+            result = func(*quiet_plain(args), **quiet_plain(kwargs))
         try:
             self._record_call(func, kind, target, args, kwargs, result)
         except _RecordingAborted:
@@ -1022,16 +1384,16 @@ class Tracer(TorchFunctionMode):
     def _placeholder(self, name: str) -> fx.Node:
         where: ContextManager[Any]
         if self._last_placeholder is not None:
-            where = self.graph.inserting_after(self._last_placeholder)
+            where = self._root_graph.inserting_after(self._last_placeholder)
         else:
-            first = next(iter(self.graph.nodes), None)
+            first = next(iter(self._root_graph.nodes), None)
             where = (
-                self.graph.inserting_before(first)
+                self._root_graph.inserting_before(first)
                 if first is not None
                 else contextlib.nullcontext()
             )
         with where:
-            node = self.graph.placeholder(_identifier(name))
+            node = self._root_graph.placeholder(_identifier(name))
         self._last_placeholder = node
         return node
 
@@ -1059,7 +1421,7 @@ class Tracer(TorchFunctionMode):
         return training.value if isinstance(training, TrainingFlag) else bool(training)
 
     def _ifexpr_node(self, module: nn.Module, true_value: Any, false_value: Any) -> fx.Node:
-        flag = self._flag_node(module)
+        flag = self._local(self._flag_node(module), self._flag_value(module))
         return self._create_node(
             "call_function",
             ifexpr,
@@ -1105,6 +1467,10 @@ class Tracer(TorchFunctionMode):
         path = self._param_paths.get(id(tensor))
         if path is not None:
             node = self._get_attr(path, tensor)
+        elif isinstance(tensor, FakeTensor):
+            # Made inside a cond branch but not by a recorded op (or leaked out of one).
+            self.graph_break("a tensor of a torch.cond branch was made outside torch function dispatch")
+            raise _RecordingAborted
         else:
             with torch._C.DisableTorchFunction():
                 computed = tensor.grad_fn is not None
@@ -1124,7 +1490,7 @@ class Tracer(TorchFunctionMode):
         node = self._attr_nodes.get(target)
         if node is None:
             self._attr_values[target] = value
-            node = self.graph.get_attr(target)
+            node = self._root_graph.get_attr(target)
             self._attr_nodes[target] = node
         return node
 
@@ -1158,11 +1524,13 @@ class Tracer(TorchFunctionMode):
     def _graph_arg(self, value: Any) -> Any:
         """`value` as an fx argument: tensors, flags and tracked numbers become nodes."""
         if isinstance(value, torch.Tensor):
-            return self._node_for_tensor(value)
+            return self._local(self._node_for_tensor(value), value)
         if isinstance(value, TrainingFlag):
-            return self._flag_node(value.module) if value.tracer is self else value.value
+            if value.tracer is not self:
+                return value.value
+            return self._local(self._flag_node(value.module), value.value)
         if isinstance(value, _TrackedNumber):
-            return value.node if value.tracer is self else value.plain
+            return self._local(value.node, value.plain) if value.tracer is self else value.plain
         if isinstance(value, (tuple, list)):
             items = [self._graph_arg(v) for v in value]
             if isinstance(value, list):
@@ -1188,8 +1556,8 @@ class Tracer(TorchFunctionMode):
             target = self._module_target(value)
             node = self._attr_nodes.get(target)
             if node is None:
-                node = self._attr_nodes[target] = self.graph.get_attr(target)
-            return node
+                node = self._attr_nodes[target] = self._root_graph.get_attr(target)
+            return self._local(node, value)
         return self._constant(value, f"const_{type(value).__name__}_")
 
     def _call_opaque_module(

@@ -931,7 +931,7 @@ def test_module_state_writes_fall_back_and_happen_once():
     assert cap.fallback is not None and "history" in cap.fallback.reason
 
 
-def test_torch_cond_with_a_tensor_predicate_falls_back():
+def test_torch_cond_with_a_tensor_predicate_is_one_node():
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -941,13 +941,18 @@ def test_torch_cond_with_a_tensor_predicate_falls_back():
             if torch.cond(x.dim() == 2, lambda t: t + 1, lambda t: t - 1, (x,)).dim() != 2:
                 raise AssertionError("a Python predicate picks its branch inline")
             positive, negative = (lambda t: self.fc(t) * 2), (lambda t: self.fc(t) - 1)
-            return torch.cond(x.sum() > 0, positive, negative, (x,))  # <cond>
+            return torch.cond(x.sum() > 0, positive, negative, (x,))
 
     model = Net()
     x = torch.randn(2, 4)
     cap = trace(model, x)
-    assert "torch.cond" in cap.fallback.reason and cap.fallback.lineno == line_of("cond")
+    assert cap.fallback is None
+    conds = [n for n in cap.graph_module.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == 1
     assert_close(cap.result, model(x))
+    for sign in (1.0, -1.0):
+        y = sign * (x.abs() + 1)
+        assert_close(replay(cap, model, y), model(y))
 
 
 def test_tensors_hidden_in_plain_objects_are_refused():
