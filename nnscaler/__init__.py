@@ -3,10 +3,12 @@
     model = nnscaler.compile(model)          # capture, guard, cache, dispatch
     with nnscaler.eval_frame.enable():       # rewrite mode (self.training ifexpr)
         ...
+    gm = nnscaler.export(model, x)           # one torch.fx.GraphModule, nnScaler's form
 """
 from nnscaler import eval_frame, runtime
 from nnscaler_eval.compile_api import compile
 from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
+from nnscaler_eval.export import ExportError, export
 from nnscaler_eval.register_op import (
     AnnotationError,
     OpAnnotation,
@@ -25,6 +27,8 @@ __all__ = [
     "explain",
     "ExplainReport",
     "reset",
+    "export",
+    "ExportError",
     "rewritten_code",
     "rewritten_function",
     "show_rewrite",

@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import linecache
 import operator
 import os
 import re
@@ -262,6 +263,29 @@ def user_location() -> tuple[str, int]:
             return filename, frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>", 0
+
+
+def _record_source(node: fx.Node) -> None:
+    """Tag `node` with the user's line that produced it.
+
+    `nnscaler_source` (filename, lineno) for the runner's comments; `source_loc`
+    ("file:line") and `stack_trace` (one traceback entry, the format torch.fx and
+    Dynamo use) for exported graphs and fx's own printing.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and _is_library_file(frame.f_code.co_filename):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        node.meta["nnscaler_source"] = ("<unknown>", 0)
+        return
+    filename, lineno = frame.f_code.co_filename, frame.f_lineno
+    node.meta["nnscaler_source"] = (filename, lineno)
+    node.meta["source_loc"] = f"{filename}:{lineno}"
+    line = linecache.getline(filename, lineno).strip()
+    node.meta["stack_trace"] = (
+        f'  File "{filename}", line {lineno}, in {frame.f_code.co_name}\n'
+        + (f"    {line}\n" if line else "")
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1378,7 +1402,7 @@ class Tracer(TorchFunctionMode):
     def _create_node(self, op: str, target: Any, args: Any, kwargs: Any) -> fx.Node:
         self._sync_global_state()
         node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
-        node.meta["nnscaler_source"] = user_location()
+        _record_source(node)
         return node
 
     def _placeholder(self, name: str) -> fx.Node:
@@ -1457,7 +1481,9 @@ class Tracer(TorchFunctionMode):
     def _unpack(self, node: fx.Node, key: Any) -> fx.Node:
         item = self.graph.call_function(operator.getitem, (node, key))
         item.meta["nnscaler_unpack"] = True
-        item.meta["nnscaler_source"] = node.meta.get("nnscaler_source")
+        for key in ("nnscaler_source", "source_loc", "stack_trace"):
+            if key in node.meta:
+                item.meta[key] = node.meta[key]
         return item
 
     def _node_for_tensor(self, tensor: torch.Tensor) -> fx.Node:
@@ -1621,7 +1647,7 @@ class Tracer(TorchFunctionMode):
         mode = torch.is_grad_enabled()
         if mode != self._graph_grad_mode:
             node = self.graph.call_function(trace_patches.REAL_SET_GRAD_ENABLED, (mode,))
-            node.meta["nnscaler_source"] = user_location()
+            _record_source(node)
             self._graph_grad_mode = mode
         for device in _AUTOCAST_DEVICES:
             state = self._autocast_state(device)
@@ -1629,12 +1655,15 @@ class Tracer(TorchFunctionMode):
                 continue
             opened = self._open_autocast.pop(device, None)
             if opened is not None:
-                self.graph.call_function(torch.amp.autocast_mode._exit_autocast, (opened,))
+                _record_source(
+                    self.graph.call_function(torch.amp.autocast_mode._exit_autocast, (opened,))
+                )
             if state != self._entry_autocast[device]:
                 enabled, dtype, cache = state
                 self._open_autocast[device] = self.graph.call_function(
                     torch.amp.autocast_mode._enter_autocast, (device, dtype, enabled, cache)
                 )
+                _record_source(self._open_autocast[device])
             self._graph_autocast[device] = state
 
     # -- the end -----------------------------------------------------------------------
