@@ -367,7 +367,12 @@ class _RunnerWriter:
             elif isinstance(key, pytree.GetAttrKey):
                 expr += f".{key.name}"
             else:
-                raise NotImplementedError(f"input path key {key!r}")
+                # convert_frame turns this into a warning and an uncached call
+                raise TypeError(
+                    f"nnscaler codegen: cannot reach input {source!r} of slot "
+                    f"{self.param_names[source.slot]!r}: pytree key {key!r} "
+                    f"({type(key).__name__}) is not an index, mapping key or attribute"
+                )
         return expr
 
     def output_expr(self, leaf_value: Callable[[int], str]) -> str:
