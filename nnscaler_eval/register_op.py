@@ -242,7 +242,9 @@ def _fx_tracer_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[An
     if not (symbolic() if symbolic is not None else fx._symbolic_trace.is_fx_tracing()):
         return None
     # The flag is process-wide: look for Tracer.trace on *this* thread's stack.
-    trace_code = fx.Tracer.trace.__code__
+    # inspect.unwrap: once Dynamo has run (eager torch.cond does), Tracer.trace is
+    # a `torch._disable_dynamo` wrapper around the real method.
+    trace_code = inspect.unwrap(fx.Tracer.trace).__code__
     frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None:
         if frame.f_code is trace_code:

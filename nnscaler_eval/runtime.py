@@ -5,6 +5,7 @@ name it by that path.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Optional, TypeVar
 
@@ -49,7 +50,9 @@ def _fx_tracer_for(*values: Any) -> Optional[Any]:
     is_tracing = getattr(_symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing)
     if not is_tracing():
         return None
-    trace_code = fx.Tracer.trace.__code__
+    # inspect.unwrap: once Dynamo has run (eager torch.cond does), Tracer.trace is
+    # a `torch._disable_dynamo` wrapper around the real method.
+    trace_code = inspect.unwrap(fx.Tracer.trace).__code__
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is trace_code:
