@@ -635,7 +635,9 @@ def _tensor_meta(tensor: torch.Tensor) -> tuple[Any, ...]:
 def _fresh_fake(meta: tuple[Any, ...]) -> torch.Tensor:
     """A new tensor with `meta` (call inside the fake mode, torch function disabled)."""
     shape, dtype, device, requires_grad, stride = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=requires_grad)
+    return torch.empty_strided(
+        shape, stride, dtype=dtype, device=device, requires_grad=requires_grad
+    )
 
 
 def _parameter_names(fn: Callable[..., Any], count: int) -> Optional[list[str]]:
@@ -786,7 +788,8 @@ class Tracer(TorchFunctionMode):
         if self._branch is not None:
             # Stop tracing the branch now (it runs on fake tensors; nothing is lost):
             # trace_cond turns this into the frame's fallback, or its parent branch's.
-            raise _CondNotCapturable(Fallback(f"in a torch.cond branch: {reason}", filename, lineno))
+            fallback = Fallback(f"in a torch.cond branch: {reason}", filename, lineno)
+            raise _CondNotCapturable(fallback)
         self.fallback = Fallback(reason, filename, lineno)
         if self.fullgraph:
             raise GraphBreakError(self.fallback)
@@ -1085,7 +1088,10 @@ class Tracer(TorchFunctionMode):
             trace.finish(len(leaves), list(lifted), _class_name(f"{name}_graph_{k}"))
             for trace, name in ((true_trace, "true"), (false_trace, "false"))
         ]
-        attrs = [self._branch_attr(f"{name}_graph_{k}", gm) for name, gm in zip(("true", "false"), modules)]
+        attrs = [
+            self._branch_attr(f"{name}_graph_{k}", gm)
+            for name, gm in zip(("true", "false"), modules)
+        ]
         node = self._create_node(
             "call_function",
             torch.ops.higher_order.cond,
@@ -1140,7 +1146,8 @@ class Tracer(TorchFunctionMode):
         self._graph_autocast = dict(self._graph_autocast)
         self._entry_autocast = dict(self._graph_autocast)
         self._open_autocast = {}
-        names = _parameter_names(fn, len(leaves)) if in_spec == pytree.tree_flatten(tuple(leaves))[1] else None
+        flat_operands = in_spec == pytree.tree_flatten(tuple(leaves))[1]
+        names = _parameter_names(fn, len(leaves)) if flat_operands else None
         try:
             with contextlib.ExitStack() as stack:
                 if saved[2] is None:
@@ -1153,7 +1160,10 @@ class Tracer(TorchFunctionMode):
                 out_leaves, out_spec = pytree.tree_flatten(out)
                 for leaf in out_leaves:
                     if not isinstance(leaf, torch.Tensor):
-                        self.graph_break(f"the branch returns a {type(leaf).__name__}; only tensors are captured")
+                        self.graph_break(
+                            f"the branch returns a {type(leaf).__name__}; "
+                            "only tensors are captured"
+                        )
                 out_nodes = [self._graph_arg(leaf) for leaf in out_leaves]
                 self._sync_global_state()
                 if self._open_autocast:
@@ -1495,7 +1505,9 @@ class Tracer(TorchFunctionMode):
             node = self._get_attr(path, tensor)
         elif isinstance(tensor, FakeTensor):
             # Made inside a cond branch but not by a recorded op (or leaked out of one).
-            self.graph_break("a tensor of a torch.cond branch was made outside torch function dispatch")
+            self.graph_break(
+                "a tensor of a torch.cond branch was made outside torch function dispatch"
+            )
             raise _RecordingAborted
         else:
             with torch._C.DisableTorchFunction():
