@@ -118,12 +118,15 @@ eval_frame_armed_threads(void)
     return armed_threads;
 }
 
+/* Frames we do not replace run on CPython's own evaluator, never on the evaluator
+ * that was installed before us: that one may be Dynamo's shim, which hands frames
+ * back to whatever the interpreter's eval_frame is (us), and after Dynamo swapped
+ * evaluators underneath an armed region the two called each other forever.
+ * Dynamo installs its shim itself whenever it runs compiled code, so it needs
+ * nothing from a chain; the previous evaluator is only restored on disarm. */
 static inline PyObject *
 run_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
-    if (previous_eval_frame != NULL) {
-        return previous_eval_frame(ts, frame, throw_flag);
-    }
     return nns_eval_frame_default(ts, frame, throw_flag);
 }
 

@@ -271,3 +271,39 @@ def test_recursion():
     m = Tree(20).train()
     with nnscaler.eval_frame.enable():
         assert m(torch.ones(1)).item() == 2 ** 21
+
+
+HANG_SCRIPT = r"""
+import torch, torch.nn as nn, nnscaler
+
+class Mutating(nn.Module):
+    def forward(self, x):
+        def bad(a):
+            a.add_(1)
+            return a
+        return torch.cond(x.sum() > 0, lambda a: a + 1, bad, (x,))
+
+m = nnscaler.compile(Mutating())
+for _ in range(3):
+    try:
+        m(torch.ones(2, 3))
+    except Exception as exc:
+        print("raised", type(exc).__name__, flush=True)
+fn = torch.compile(lambda x: x * 2, backend="eager")
+with nnscaler.eval_frame.enable(backend="eager"):
+    print("dynamo inside armed region", fn(torch.ones(1)).item(), flush=True)
+"""
+
+
+def test_dynamo_swapping_evaluators_under_an_armed_region_does_not_hang():
+    """Eager torch.cond runs torch.compile inside our capture; Dynamo swaps the
+    interpreter's evaluator underneath us. Calls after an exception used to loop
+    forever between its shim and ours (run in a subprocess: a hang must not hang
+    the suite)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], capture_output=True,
+                         text=True, timeout=240)
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("raised", "dynamo"))]
+    assert len([l for l in lines if l.startswith("raised")]) == 3, out.stdout + out.stderr
+    assert "dynamo inside armed region 2.0" in lines, out.stdout + out.stderr
