@@ -27,7 +27,8 @@ def test_every_c_file_starts_with_a_comment_saying_what_it_is():
 
 
 def test_no_unfinished_markers():
-    pattern = re.compile(r"\b(TODO|FIXME|XXX)\b")
+    # spelled in pieces so that this file does not match itself
+    pattern = re.compile(r"\b(" + "|".join(["TO" + "DO", "FIX" + "ME", "X" + "XX"]) + r")\b")
     files = C_FILES + sorted((ROOT / "nnscaler_eval").glob("*.py")) + sorted((ROOT / "nnscaler").rglob("*.py"))
     offenders = [p.name for p in files if pattern.search(p.read_text())]
     assert offenders == []
