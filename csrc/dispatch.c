@@ -214,7 +214,8 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
     CallKey key;
     call_key_init(&key, 0);
 
-    if (bucket != NULL && PyList_GET_SIZE(bucket->entries) > 0) {
+    /* entries is NULL only if the self-collected callback ran out of memory */
+    if (bucket != NULL && bucket->entries != NULL && PyList_GET_SIZE(bucket->entries) > 0) {
         if (call_key_build(&key, slots + skip, n - skip) < 0) {
             call_key_release(&key);
             if (nns_report_internal_error("computing the call key") < 0) {

@@ -48,12 +48,18 @@ GLOBAL_HOOK_DICT_NAMES = (
 )
 
 
+def global_hook_items() -> list[tuple[str, dict]]:
+    """(name, dict) of torch's global module-hook registries present in this torch."""
+    items = []
+    for name in GLOBAL_HOOK_DICT_NAMES:
+        value = getattr(_module_mod, name, None)
+        if isinstance(value, dict):
+            items.append((name, value))
+    return items
+
+
 def global_hook_dicts() -> tuple[dict, ...]:
-    return tuple(
-        getattr(_module_mod, name)
-        for name in GLOBAL_HOOK_DICT_NAMES
-        if isinstance(getattr(_module_mod, name, None), dict)
-    )
+    return tuple(d for _, d in global_hook_items())
 
 
 def install() -> None:

@@ -28,7 +28,6 @@ import re
 import warnings
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nnscaler_eval._install import global_hook_dicts, GLOBAL_HOOK_DICT_NAMES
+from nnscaler_eval._install import global_hook_items
 
 TREE_DICTS = ("_modules", "_parameters", "_buffers")
 # torch writes _forward_hooks / _forward_pre_hooks on every register and remove
@@ -77,9 +77,7 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_
     if not skip_hook_guards:
         # the global registries: same reasoning, the *_with_kwargs/*_always_called
         # dicts change only together with _global_forward_hooks
-        present = [n for n in GLOBAL_HOOK_DICT_NAMES
-                   if isinstance(getattr(torch.nn.modules.module, n, None), dict)]
-        for name, d in zip(present, global_hook_dicts()):
+        for name, d in global_hook_items():
             add_dict(d, f"torch.nn.modules.module.{name}")
     seen_flags: set[int] = set()
     for module, value in list(capture.branched_training) + list(extra_flags):
