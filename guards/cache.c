@@ -17,6 +17,12 @@ entry_traverse(CacheEntry *self, visitproc visit, void *arg)
     for (Py_ssize_t i = 0; i < self->n_flags; i++) {
         Py_VISIT(self->flag_refs[i]);
     }
+    for (Py_ssize_t i = 0; i < self->n_values; i++) {
+        int err = value_guard_traverse(&self->values[i], visit, arg);
+        if (err) {
+            return err;
+        }
+    }
     Py_VISIT(self->guard_names);
     Py_VISIT(self->info);
     Py_VISIT(self->pins);
@@ -34,6 +40,9 @@ entry_clear(CacheEntry *self)
     for (Py_ssize_t i = 0; i < self->n_flags; i++) {
         Py_CLEAR(self->flag_refs[i]);
     }
+    for (Py_ssize_t i = 0; i < self->n_values; i++) {
+        value_guard_clear(&self->values[i]);
+    }
     Py_CLEAR(self->guard_names);
     Py_CLEAR(self->info);
     Py_CLEAR(self->pins);
@@ -49,6 +58,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->versions);
     PyMem_Free(self->flag_refs);
     PyMem_Free(self->flag_values);
+    PyMem_Free(self->values);
     PyMem_Free(self->key);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -75,25 +85,28 @@ weakref_tuple(PyObject *modules, const char *what)
 }
 
 PyDoc_STRVAR(entry_doc,
-"CacheEntry(runner, training_modules, dict_guards, flag_guards, guard_names, info)\n\n"
+"CacheEntry(runner, training_modules, dict_guards, flag_guards, guard_names, info,\n"
+"           value_guards=())\n\n"
 "One captured graph and its guards.  `runner` is called as runner(*slots, *flags)\n"
 "on a hit (None: run the frame eagerly).  `training_modules` give the flags passed\n"
 "to the runner.  `dict_guards` are dicts whose version is snapshotted now; any\n"
 "change makes the entry stale.  `flag_guards` are (module, bool) pairs compared by\n"
-"value.  `guard_names` describe the guards, dict guards first.");
+"value.  `value_guards` are spec tuples (guards/value_guards.h) on values the\n"
+"capture read.  `guard_names` describe the guards: dict, flag, then value guards.");
 
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"runner", "training_modules", "dict_guards", "flag_guards",
-                             "guard_names", "info", NULL};
+                             "guard_names", "info", "value_guards", NULL};
     PyObject *runner, *training_modules, *dict_guards, *flag_guards, *guard_names, *info;
-    PyObject *dicts_seq = NULL, *flags_seq = NULL;   /* owned */
+    PyObject *value_guards = NULL;
+    PyObject *dicts_seq = NULL, *flags_seq = NULL, *values_seq = NULL;   /* owned */
     CacheEntry *self = NULL;                          /* owned */
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO:CacheEntry", kwlist, &runner,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|O:CacheEntry", kwlist, &runner,
                                      &training_modules, &dict_guards, &flag_guards,
-                                     &guard_names, &info)) {
+                                     &guard_names, &info, &value_guards)) {
         return NULL;
     }
     if (runner != Py_None && !PyCallable_Check(runner)) {
@@ -114,13 +127,21 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         (flags_seq = PySequence_Fast(flag_guards, "flag_guards must be a sequence")) == NULL) {
         goto error;
     }
+    values_seq = value_guards == NULL ? PyTuple_New(0)
+                                      : PySequence_Fast(value_guards, "value_guards must be a sequence");
+    if (values_seq == NULL) {
+        goto error;
+    }
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(dicts_seq);
     Py_ssize_t nf = PySequence_Fast_GET_SIZE(flags_seq);
+    Py_ssize_t nv = PySequence_Fast_GET_SIZE(values_seq);
     self->dicts = PyMem_Calloc((size_t)nd + 1, sizeof(PyObject *));
     self->versions = PyMem_Calloc((size_t)nd + 1, sizeof(uint64_t));
     self->flag_refs = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->flag_values = PyMem_Calloc((size_t)nf + 1, 1);
-    if (!self->dicts || !self->versions || !self->flag_refs || !self->flag_values) {
+    self->values = PyMem_Calloc((size_t)nv + 1, sizeof(ValueGuard));
+    if (!self->dicts || !self->versions || !self->flag_refs || !self->flag_values ||
+        !self->values) {
         PyErr_NoMemory();
         goto error;
     }
@@ -153,20 +174,30 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         self->flag_values[i] = (char)value;
         self->n_flags = i + 1;
     }
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        /* n_values counts the guards filled (a failed init leaves its slot clear) */
+        if (value_guard_init(&self->values[i], PySequence_Fast_GET_ITEM(values_seq, i)) < 0) {
+            value_guard_clear(&self->values[i]);
+            goto error;
+        }
+        self->n_values = i + 1;
+    }
     if ((self->guard_names = PySequence_Tuple(guard_names)) == NULL) {
         goto error;
     }
-    if (PyTuple_GET_SIZE(self->guard_names) != nd + nf) {
+    if (PyTuple_GET_SIZE(self->guard_names) != nd + nf + nv) {
         PyErr_Format(PyExc_ValueError, "CacheEntry: %zd guard_names for %zd guards",
-                     PyTuple_GET_SIZE(self->guard_names), nd + nf);
+                     PyTuple_GET_SIZE(self->guard_names), nd + nf + nv);
         goto error;
     }
     Py_DECREF(dicts_seq);
     Py_DECREF(flags_seq);
+    Py_DECREF(values_seq);
     return (PyObject *)self;
 error:
     Py_XDECREF(dicts_seq);
     Py_XDECREF(flags_seq);
+    Py_XDECREF(values_seq);
     Py_XDECREF(self);
     return NULL;
 }
@@ -218,6 +249,24 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             return -1;
         }
     }
+    if (entry->pins != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entry->pins); i++) {
+            PyObject *pin = PyList_GET_ITEM(entry->pins, i);
+            if (PyWeakref_CheckRef(pin) && PyWeakref_GET_OBJECT(pin) == Py_None) {
+                /* an object the key names by address died: the address may be reused */
+                *failed = -1;
+                return -1;
+            }
+        }
+    }
+    Py_ssize_t base = entry->n_dicts + entry->n_flags;
+    for (Py_ssize_t i = 0; i < entry->n_values; i++) {
+        int ok = value_guard_check(&entry->values[i]);
+        if (ok != 1) {
+            *failed = base + i;
+            return ok;
+        }
+    }
     return 1;
 }
 
@@ -254,7 +303,7 @@ entry_get_key_hash(CacheEntry *self, void *Py_UNUSED(closure))
 static PyObject *
 entry_get_n_guards(CacheEntry *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromSsize_t(self->n_dicts + self->n_flags);
+    return PyLong_FromSsize_t(self->n_dicts + self->n_flags + self->n_values);
 }
 
 static PyMethodDef entry_methods[] = {
@@ -298,6 +347,7 @@ bucket_traverse(CacheBucket *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->self_ref);
     Py_VISIT(self->entries);
+    Py_VISIT(self->dropped);
     return 0;
 }
 
@@ -306,6 +356,7 @@ bucket_clear(CacheBucket *self)
 {
     Py_CLEAR(self->self_ref);
     Py_CLEAR(self->entries);
+    Py_CLEAR(self->dropped);
     return 0;
 }
 
@@ -340,6 +391,23 @@ bucket_get_entries(CacheBucket *self, void *Py_UNUSED(closure))
 {
     return self->entries ? PyList_GetSlice(self->entries, 0, PY_SSIZE_T_MAX) : PyList_New(0);
 }
+
+PyDoc_STRVAR(take_dropped_doc,
+"take_dropped() -> list of str\n\nThe failing guard of each entry the lookup dropped as\n"
+"stale since the last call (the recapture log names them), and forget them.");
+
+static PyObject *
+bucket_take_dropped(CacheBucket *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *dropped = self->dropped;
+    self->dropped = NULL;
+    return dropped != NULL ? dropped : PyList_New(0);
+}
+
+static PyMethodDef bucket_methods[] = {
+    {"take_dropped", (PyCFunction)bucket_take_dropped, METH_NOARGS, take_dropped_doc},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyObject *
 bucket_get_self(CacheBucket *self, void *Py_UNUSED(closure))
@@ -376,6 +444,7 @@ PyTypeObject CacheBucket_Type = {
     .tp_traverse = (traverseproc)bucket_traverse,
     .tp_clear = (inquiry)bucket_clear,
     .tp_members = bucket_members,
+    .tp_methods = bucket_methods,
     .tp_getset = bucket_getset,
 };
 
@@ -421,6 +490,7 @@ cache_new_bucket(PyObject **buckets, PyObject *self)
     bucket->misses = bucket->fallbacks = bucket->captures = bucket->hits = 0;
     bucket->limit_warned = 0;
     bucket->entries = PyList_New(0);
+    bucket->dropped = NULL;
     PyObject_GC_Track(bucket);
     if (bucket->entries == NULL) {
         goto error;
@@ -454,41 +524,103 @@ key_equal(const CacheEntry *e, const CallKey *key)
            memcmp(e->key, key->data, key->len) == 0;
 }
 
+/* Index of `entry` in `entries`, or -1 (a guard check ran Python that changed the
+ * list: reset(), a recapture on another thread, the self-collected callback). */
+static Py_ssize_t
+index_of(PyObject *entries, PyObject *entry, Py_ssize_t hint)
+{
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    if (hint < n && PyList_GET_ITEM(entries, hint) == entry) {
+        return hint;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(entries, i) == entry) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+/* Keep the name of the guard that made `entry` stale, for the recapture log (at most
+ * a few: the miss path takes them).  Errors are dropped: this is diagnostics only. */
+static void
+remember_dropped(CacheBucket *bucket, CacheEntry *entry, Py_ssize_t failed)
+{
+    PyObject *name = (failed >= 0 && failed < PyTuple_GET_SIZE(entry->guard_names))
+        ? Py_NewRef(PyTuple_GET_ITEM(entry->guard_names, failed))
+        : PyUnicode_FromString("an object the entry refers to was collected");
+    if (name == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (bucket->dropped == NULL) {
+        bucket->dropped = PyList_New(0);
+    }
+    if (bucket->dropped == NULL || PyList_GET_SIZE(bucket->dropped) >= 8 ||
+        PyList_Append(bucket->dropped, name) < 0) {
+        PyErr_Clear();
+    }
+    Py_DECREF(name);
+}
+
 CacheEntry *
 cache_lookup(CacheBucket *bucket, const CallKey *key)
 {
-    PyObject *entries = bucket->entries;
+    CacheEntry *found = NULL;
+    PyObject *entries = bucket->entries;   /* owned below: checks may run Python */
     if (entries == NULL) {
         return NULL;
     }
+    Py_INCREF(entries);
+    int rescans = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++) {
         CacheEntry *e = (CacheEntry *)PyList_GET_ITEM(entries, i);
         if (!key_equal(e, key)) {
             continue;
         }
         Py_ssize_t failed;
+        Py_INCREF(e);
         int ok = cache_entry_check(e, &failed);
-        if (ok == 1) {
-            if (i > 0) {
+        /* The check may have run Python: find the entry again by identity. */
+        Py_ssize_t at = index_of(entries, (PyObject *)e, i);
+        if (ok == 1 && at >= 0 && entries == bucket->entries) {
+            if (at > 0) {
                 /* Most recently used first: a steady workload hits at index 0. The
                  * list keeps its own reference throughout the swap. */
                 PyObject *first = PyList_GET_ITEM(entries, 0);
                 PyList_SET_ITEM(entries, 0, (PyObject *)e);
-                PyList_SET_ITEM(entries, i, first);
+                PyList_SET_ITEM(entries, at, first);
             }
-            return e;
+            found = e;
+            Py_DECREF(e);   /* the list still holds it */
+            break;
         }
-        if (ok < 0) {
-            /* Stale for good (a guarded dict changed). Removing cannot run Python
-             * code that reaches this list: entries hold no finalizers. */
-            if (PySequence_DelItem(entries, i) < 0) {
+        if (ok < 0 && at >= 0) {
+            remember_dropped(bucket, e, failed);
+            /* Stale for good. Dropping it runs no Python that reaches this list:
+             * entries hold no finalizers of ours (their runners' globals may, but
+             * the list owns no borrowed slot we read afterwards). */
+            if (PySequence_DelItem(entries, at) < 0) {
                 PyErr_Clear();
-                return NULL;
+                Py_DECREF(e);
+                break;
             }
-            i--;
+            i = at - 1;
         }
+        else if (at >= 0) {
+            i = at;
+        }
+        else if (++rescans <= 2) {
+            i = -1;   /* the list changed under us: rescan from the start */
+        }
+        else {
+            Py_DECREF(e);
+            break;    /* a guard keeps changing it: no hit (the call recaptures) */
+        }
+        Py_DECREF(e);
     }
-    return NULL;
+    Py_DECREF(entries);
+    return found;
 }
 
 int

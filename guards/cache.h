@@ -7,15 +7,21 @@
  * the entry stale for good, and it is dropped on the next lookup.  Training flags that
  * were branched on are compared by value (a toggle back makes the entry valid again).
  *
- * References: an entry owns its runner, the guarded dicts, weak references to
- * modules (never strong ones: the cache lives in co_extra, which the GC cannot see,
- * so a strong reference to a module would keep it alive forever), and `info`.
+ * Guards on plain values the capture read (module attributes, globals, cells, ...)
+ * are ValueGuards (value_guards.h): re-validated when their dict's version moves.
+ *
+ * References: an entry owns its runner, the guarded dicts and value guards, weak
+ * references to modules, weak references to the objects its key names by identity
+ * where they can be weakly referenced (strong ones otherwise), and `info`.  Strong
+ * references it holds (guarded dicts, hook dicts, expected values) can still lead back
+ * to a module: the cache lives in co_extra, which the GC cannot see.
  */
 #ifndef NNSCALER_CACHE_H
 #define NNSCALER_CACHE_H
 
 #include "compat.h"
 #include "call_key.h"
+#include "value_guards.h"
 
 typedef struct {
     PyObject_HEAD
@@ -27,12 +33,15 @@ typedef struct {
     Py_ssize_t n_flags;
     PyObject **flag_refs;      /* owned weakrefs to modules */
     char *flag_values;
-    PyObject *guard_names;     /* owned tuple of str: dict guards, then flag guards */
+    Py_ssize_t n_values;
+    ValueGuard *values;        /* owned guards on values the capture read */
+    PyObject *guard_names;     /* owned tuple of str: dict, flag, then value guards */
     PyObject *info;            /* owned: the Python-side description (explain) */
     unsigned char *key;        /* PyMem block, the stored call key */
     size_t key_len;
     uint64_t key_hash;
-    PyObject *pins;            /* owned list or NULL: objects keyed by identity */
+    PyObject *pins;            /* owned list or NULL: objects keyed by identity, held by
+                                  weakref where possible (a dead one: entry stale) */
     Py_ssize_t hits;
 } CacheEntry;
 
@@ -42,6 +51,8 @@ typedef struct {
     void *self_id;             /* identity of `self` (NULL for function targets) */
     int dead;                  /* `self` was collected: entries released */
     PyObject *entries;         /* owned list of CacheEntry, most recently used first */
+    PyObject *dropped;         /* owned list of str or NULL: why stale entries were
+                                  dropped since the miss path last looked (logs) */
     Py_ssize_t misses, fallbacks, captures, hits;
     int limit_warned;
 } CacheBucket;
@@ -49,9 +60,11 @@ typedef struct {
 extern PyTypeObject CacheEntry_Type;
 extern PyTypeObject CacheBucket_Type;
 
-/* 1 when every state guard holds; 0 when a flag differs (entry kept); -1 when a dict
- * changed or a guarded module died (entry stale for good).  *failed gets the index
- * of the failing guard.  Never raises. */
+/* 1 when every state guard holds; 0 when a flag or a value differs (entry kept); -1
+ * when a dict changed or a guarded module, tensor or pinned object died (entry stale
+ * for good).  *failed gets the index of the failing guard (-1: a pin or training
+ * module died).  Never raises.  May run Python (see value_guard_check): the caller
+ * owns a reference to `entry`. */
 int cache_entry_check(CacheEntry *entry, Py_ssize_t *failed);
 
 /* Borrowed bucket of `self` (NULL for function targets) in `buckets` (a list, may be
@@ -61,7 +74,8 @@ CacheBucket *cache_find_bucket(PyObject *buckets, PyObject *self);
 CacheBucket *cache_new_bucket(PyObject **buckets, PyObject *self);
 
 /* Borrowed entry whose key equals `key` and whose guards hold, or NULL.  Stale
- * entries met on the way are removed. Never raises. */
+ * entries met on the way are removed.  Never raises.  May run Python (value guards):
+ * the caller owns a reference to `bucket`; the entry returned is still in its list. */
 CacheEntry *cache_lookup(CacheBucket *bucket, const CallKey *key);
 
 /* Store `entry` under `key` (its data and pins move into the entry; `key` is left

@@ -8,6 +8,10 @@
 enum {
     TAG_NONE = 1, TAG_FALSE, TAG_TRUE, TAG_INT, TAG_BIGINT, TAG_FLOAT, TAG_STR,
     TAG_TUPLE, TAG_LIST, TAG_DICT, TAG_TENSOR, TAG_OBJECT, TAG_GRAD,
+    TAG_ALIAS,        /* a tensor seen earlier in this key: its index follows */
+    TAG_SUBTYPE,      /* a subclass of tuple/int/float/str: its type, then the value */
+    TAG_BUFFER,       /* a NumPy scalar: its type, then its bytes */
+    TAG_DEVICE,       /* a torch.device: its hash (type and index) */
 };
 
 #define MAX_DEPTH 8
@@ -22,6 +26,7 @@ call_key_init(CallKey *key, int collect_pins)
     key->hash = 0;
     key->pins = NULL;
     key->collect_pins = collect_pins;
+    key->n_tensors = 0;
 }
 
 void
@@ -33,6 +38,7 @@ call_key_release(CallKey *key)
     key->data = key->inline_buf;
     key->len = 0;
     key->cap = CALL_KEY_INLINE;
+    key->n_tensors = 0;
     Py_CLEAR(key->pins);
 }
 
@@ -79,8 +85,10 @@ put_ptr(CallKey *key, const void *p)
     return put(key, &p, sizeof(p));
 }
 
-/* Identity keys are only sound while the object cannot be freed and its address
- * reused: a stored key keeps such objects alive (pins). */
+/* Identity keys are only sound while the object's address cannot be reused by
+ * another object: a stored key holds a weak reference to it (the entry goes stale
+ * when it dies, see cache_entry_check), or a strong one when it cannot be weakly
+ * referenced. */
 static int
 pin(CallKey *key, PyObject *obj)
 {
@@ -90,7 +98,16 @@ pin(CallKey *key, PyObject *obj)
     if (key->pins == NULL && (key->pins = PyList_New(0)) == NULL) {
         return -1;
     }
-    return PyList_Append(key->pins, obj);
+    PyObject *ref = NULL;   /* owned */
+    if (PyType_SUPPORTS_WEAKREFS(Py_TYPE(obj))) {
+        ref = PyWeakref_NewRef(obj, NULL);
+        if (ref == NULL) {
+            return -1;
+        }
+    }
+    int err = PyList_Append(key->pins, ref != NULL ? ref : obj);
+    Py_XDECREF(ref);
+    return err;
 }
 
 static int
@@ -117,12 +134,43 @@ put_int_sequence(CallKey *key, PyObject *seq)
     return 0;
 }
 
+/* The index of `t` among the tensors already put in this key, or -1.  Inputs that
+ * are one tensor object share one placeholder in the graph (the tracer maps tensors
+ * by identity), so which slots alias is part of what the graph was specialised on. */
+static Py_ssize_t
+seen_tensor(CallKey *key, PyObject *t)
+{
+    Py_ssize_t n = key->n_tensors < CALL_KEY_MAX_ALIAS ? key->n_tensors : CALL_KEY_MAX_ALIAS;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (key->tensors[i] == (void *)t) {
+            return i;
+        }
+    }
+    return -1;
+}
+
 static int
 put_tensor(CallKey *key, PyObject *t)
 {
     int ret = -1;
     PyObject *dtype = NULL, *device = NULL, *shape = NULL, *stride = NULL, *grad = NULL;
 
+    Py_ssize_t earlier = seen_tensor(key, t);
+    if (earlier >= 0) {
+        return (put_tag(key, TAG_ALIAS) < 0 || put_i64(key, earlier) < 0) ? -1 : 0;
+    }
+    if (key->n_tensors < CALL_KEY_MAX_ALIAS) {
+        /* an address only: the caller's slots keep these tensors alive meanwhile */
+        key->tensors[key->n_tensors] = (void *)t;
+    }
+    else {
+        /* more tensor inputs than we track: alias detection past here is off, so
+         * say so in the key (such calls never share an entry with tracked ones) */
+        if (put_tag(key, TAG_OBJECT) < 0) {
+            goto done;
+        }
+    }
+    key->n_tensors++;
     if (put_tag(key, TAG_TENSOR) < 0 || put_ptr(key, Py_TYPE(t)) < 0 || pin(key, (PyObject *)Py_TYPE(t)) < 0) {
         goto done;
     }
@@ -161,16 +209,108 @@ done:
 
 static int put_value(CallKey *key, PyObject *v, int depth);
 
+/* Items of a tuple (borrowed from `owner`, which the caller keeps alive and which
+ * cannot change: tuples are immutable). */
 static int
-put_items(CallKey *key, unsigned char tag, PyObject *const *items, Py_ssize_t n, int depth)
+put_items(CallKey *key, unsigned char tag, PyObject *tuple, int depth)
 {
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
     if (put_tag(key, tag) < 0 || put_i64(key, n) < 0) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (put_value(key, items[i], depth + 1) < 0) {
+        if (put_value(key, PyTuple_GET_ITEM(tuple, i), depth + 1) < 0) {
             return -1;
         }
+    }
+    return 0;
+}
+
+/* Lists and dicts are walked through an owned snapshot: a tensor getter (a tensor
+ * subclass) can run Python that shrinks the container and frees its items. */
+static int
+put_list(CallKey *key, PyObject *list, int depth)
+{
+    PyObject *snapshot = PyList_AsTuple(list);   /* owned */
+    if (snapshot == NULL) {
+        return -1;
+    }
+    int err = put_items(key, TAG_LIST, snapshot, depth);
+    Py_DECREF(snapshot);
+    return err;
+}
+
+static int
+put_dict(CallKey *key, PyObject *dict, int depth)
+{
+    PyObject *items = PyDict_Items(dict);   /* owned list of owned (key, value) pairs */
+    if (items == NULL) {
+        return -1;
+    }
+    int err = -1;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    if (put_tag(key, TAG_DICT) < 0 || put_i64(key, n) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        if (put_value(key, PyTuple_GET_ITEM(pair, 0), depth + 1) < 0 ||
+            put_value(key, PyTuple_GET_ITEM(pair, 1), depth + 1) < 0) {
+            goto done;
+        }
+    }
+    err = 0;
+done:
+    Py_DECREF(items);
+    return err;
+}
+
+/* Immutable values that are not of an exact builtin type but are keyed by value
+ * rather than identity (a new object per call would otherwise recapture per call):
+ * torch.Size and named tuples, NumPy scalars, torch.device.  1 when handled. */
+static int
+put_value_type(CallKey *key, PyObject *v, int depth)
+{
+    PyTypeObject *type = Py_TYPE(v);
+    if (PyTuple_Check(v) || PyLong_Check(v) || PyFloat_Check(v) || PyUnicode_Check(v)) {
+        if (type->tp_dictoffset != 0) {
+            return 0;   /* instances may carry attributes beyond the value */
+        }
+        if (put_tag(key, TAG_SUBTYPE) < 0 || put_ptr(key, type) < 0 || pin(key, (PyObject *)type) < 0) {
+            return -1;
+        }
+        if (PyTuple_Check(v)) {
+            return put_items(key, TAG_TUPLE, v, depth) < 0 ? -1 : 1;
+        }
+        PyObject *base = PyLong_Check(v) ? PyNumber_Long(v)
+                       : PyFloat_Check(v) ? PyFloat_FromDouble(PyFloat_AS_DOUBLE(v))
+                       : PyUnicode_FromObject(v);
+        if (base == NULL) {
+            return -1;
+        }
+        int err = put_value(key, base, depth + 1);
+        Py_DECREF(base);
+        return err < 0 ? -1 : 1;
+    }
+    if (strncmp(type->tp_name, "numpy.", 6) == 0 && PyObject_CheckBuffer(v)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(v, &view, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        int err = put_tag(key, TAG_BUFFER) < 0 || put_ptr(key, type) < 0 ||
+                  pin(key, (PyObject *)type) < 0 || put_i64(key, view.len) < 0 ||
+                  put(key, view.buf, (size_t)view.len) < 0;
+        PyBuffer_Release(&view);
+        return err ? -1 : 1;
+    }
+    if (strcmp(type->tp_name, "torch.device") == 0) {
+        /* torch.device hashes its (type, index) pair injectively */
+        Py_hash_t hash = PyObject_Hash(v);
+        if (hash == -1) {
+            return -1;
+        }
+        return (put_tag(key, TAG_DEVICE) < 0 || put_i64(key, (int64_t)hash) < 0) ? -1 : 1;
     }
     return 0;
 }
@@ -213,23 +353,19 @@ put_value(CallKey *key, PyObject *v, int depth)
             }
         }
         else if (type == &PyTuple_Type) {
-            return put_items(key, TAG_TUPLE, &PyTuple_GET_ITEM(v, 0), PyTuple_GET_SIZE(v), depth);
+            return put_items(key, TAG_TUPLE, v, depth);
         }
         else if (type == &PyList_Type) {
-            return put_items(key, TAG_LIST, &PyList_GET_ITEM(v, 0), PyList_GET_SIZE(v), depth);
+            return put_list(key, v, depth);
         }
         else if (type == &PyDict_Type) {
-            if (put_tag(key, TAG_DICT) < 0 || put_i64(key, PyDict_GET_SIZE(v)) < 0) {
-                return -1;
+            return put_dict(key, v, depth);
+        }
+        else {
+            int handled = put_value_type(key, v, depth);
+            if (handled != 0) {
+                return handled < 0 ? -1 : 0;
             }
-            Py_ssize_t pos = 0;
-            PyObject *k, *item;
-            while (PyDict_Next(v, &pos, &k, &item)) {
-                if (put_value(key, k, depth + 1) < 0 || put_value(key, item, depth + 1) < 0) {
-                    return -1;
-                }
-            }
-            return 0;
         }
     }
     /* Anything else: by type and identity; the stored key pins the object. */

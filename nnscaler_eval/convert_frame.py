@@ -22,10 +22,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nnscaler_eval import _C, logs
+from nnscaler_eval import _C, logs, state_guards
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.fx_source import release_source_with
-from nnscaler_eval.guard_builder import build_state_guards, describe_key
+from nnscaler_eval.guard_builder import ReadContext, build_state_guards, describe_key, walk_state
 
 # Code objects that own cache buckets, for reset().
 known_codes: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -43,6 +43,8 @@ class EntryInfo:
     fallback: Any                      # tracer.Fallback or None
     backend: str
     runner: Optional[Callable[..., Any]] = field(default=None, repr=False)
+    not_guarded: list[str] = field(default_factory=list)   # state beyond the guard walk
+    global_state: Any = field(default=None, repr=False)    # torch GlobalStateGuard
 
     @property
     def graph_code(self) -> str:
@@ -89,13 +91,23 @@ def slot_call(fn: Callable[..., Any], code: Any, slots: tuple) -> Callable[[], A
     return lambda: fn(*pos, *varargs, **kwonly, **varkw)
 
 
+def _failing_guard(entry: Any) -> Optional[str]:
+    failing = entry.check_verbose()
+    if failing is not None and failing.startswith("global torch state"):
+        state = entry.info.global_state
+        reason = state.reason() if state is not None else ""
+        return f"{failing}: {reason.strip() or 'changed'}"
+    return failing
+
+
 def _log_recapture(code: Any, bucket: Any, key: list[str]) -> None:
-    if not logs.recaptures.isEnabledFor(10) or not bucket.entries:
+    dropped = bucket.take_dropped()   # entries the C lookup removed as stale
+    if not logs.recaptures.isEnabledFor(10) or not (bucket.entries or dropped):
         return
-    reasons = []
+    reasons = [f"guard failed (entry dropped): {name}" for name in dropped]
     for entry in bucket.entries:
         info = entry.info
-        failing = entry.check_verbose()
+        failing = _failing_guard(entry)
         if info.key != key:
             diffs = [f"{old} -> {new}" for old, new in zip(info.key, key) if old != new]
             reasons.append("key changed: " + "; ".join(diffs))
@@ -195,11 +207,32 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                      "running it eagerly")
         return RUN_EAGERLY, None
 
-    capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
-                             call=slot_call(fn, code, slots))
+    first = 1 if self is not None else 0
+    arguments = list(zip(slot_names[first:], slots[first:]))
+    global_state = state_guards.global_state_guard()
+    mutable = state_guards.argument_snapshot(arguments)
+    recorder = state_guards.CodeRecorder()
+    with recorder:
+        capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
+                                 call=slot_call(fn, code, slots))
+    found = walk_state(capture, self, recorder, fn, arguments)
+    unsound = _unreplayable(capture, recorder, mutable, found, self)
+    if unsound is not None:
+        if config.fullgraph:
+            raise tracer.GraphBreakError(tracer.Fallback(unsound, *_forward_line(code)))
+        if capture.fallback is None:
+            capture.fallback = tracer.Fallback(unsound, *_forward_line(code))
+            capture.graph_module = None
+            capture.runner_spec = None
+    if capture.fallback is not None and capture.fallback.reason.startswith(_NOT_CACHED):
+        # Caching this capture's fallback would send later, ordinary calls with the
+        # same key to eager for good: keep nothing, the next call captures again.
+        logs.fallbacks.debug("%s not cached: %s", where, capture.fallback)
+        return capture.result, None
+    reads = ReadContext(global_state, found)
 
     try:
-        entry = _make_entry(config, capture, code, self, key, where)
+        entry = _make_entry(config, capture, code, self, key, where, reads)
     except Exception as exc:
         if config.fullgraph:
             raise
@@ -210,8 +243,48 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     return capture.result, entry
 
 
+_NOT_CACHED = "an input tensor is also"
+
+
+def _forward_line(code: Any) -> tuple[str, int]:
+    return code.co_filename, code.co_firstlineno
+
+
+def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
+                  self: Any) -> Optional[str]:
+    """Why replaying this capture would not do what eager does, or None.
+
+    Side effects on arguments and globals are not part of the graph, and an input
+    that is also a parameter, buffer or tensor of module/global state was traced as
+    one value (the tracer maps tensors by identity), so the graph cannot tell them
+    apart on the next call."""
+    if capture.fallback is not None:
+        return None
+    changed = state_guards.mutated_arguments(mutable)
+    if changed is not None:
+        return f"side effect on an argument: the forward changed {changed}"
+    written = recorder.global_writes()
+    if written:
+        return f"side effect on globals: the forward wrote global {written[0]!r}"
+    inputs = capture.example_inputs()
+    if not inputs:
+        return None
+    state: set[int] = set(found.state_tensors)
+    if self is not None:
+        state.update(id(t) for t in self.parameters())
+        state.update(id(t) for t in self.buffers())
+    spec = capture.runner_spec
+    if spec is not None:
+        state.update(id(v) for v in spec.attr_values.values() if isinstance(v, torch.Tensor))
+    for input_value in inputs:
+        if isinstance(input_value, torch.Tensor) and id(input_value) in state:
+            return (f"{_NOT_CACHED} a parameter, buffer or tensor the forward read from "
+                    "state; a graph cannot tell them apart on later calls")
+    return None
+
+
 def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
-                where: str) -> Any:
+                where: str, reads: Optional[ReadContext] = None) -> Any:
     if capture.graph_module is not None:
         release_source_with(capture.graph_module)
     folded_flags: list[tuple[Any, bool]] = []
@@ -225,14 +298,16 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
             _C.mark_skip(runner_code)
         if logs.graph.isEnabledFor(10):
             logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
-    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards, folded_flags)
+    guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards, folded_flags,
+                                reads)
     if logs.guards.isEnabledFor(10):
         logs.guards.debug("guards of %s:\n  key: %s\n  state: %s", where, "; ".join(key),
                           "; ".join(guards.names) or "none")
     info = EntryInfo(where, key, guards.names, capture.graph_module, capture.fallback,
-                     config.backend_name, runner)
+                     config.backend_name, runner, guards.not_guarded,
+                     reads.global_state[0] if reads is not None else None)
     entry = _C.CacheEntry(runner, capture.training_inputs, guards.dicts, guards.flags,
-                          guards.names, info)
+                          guards.names, info, guards.values)
     collector = getattr(_local, "collector", None)
     if collector is not None:
         collector.entries.append(info)

@@ -4,15 +4,18 @@ key, is computed in C from the call's arguments).
 State guards are dicts whose version the C entry snapshots: for every module the
 trace went through, its `_modules`, `_parameters` and `_buffers` (the module tree) and,
 unless `skip_nnmodule_hook_guards`, its hook dicts, plus the global hook dicts.
-Training flags the trace branched on are guarded by value.
+Training flags the trace branched on are guarded by value.  Plain values the capture
+could have read (attributes, globals, cells, argument objects' state, tensor metadata,
+global torch state) are value guards, built by `state_guards`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from nnscaler_eval import state_guards
 from nnscaler_eval._install import global_hook_items
 
 TREE_DICTS = ("_modules", "_parameters", "_buffers")
@@ -32,7 +35,9 @@ HOOK_DICTS = (
 class StateGuards:
     dicts: list[dict]
     flags: list[tuple[torch.nn.Module, bool]]
-    names: list[str]          # dict guards first, then flag guards
+    names: list[str]          # dict guards first, then flag guards, then value guards
+    values: list[tuple[Any, ...]] = field(default_factory=list)   # value-guard specs
+    not_guarded: list[str] = field(default_factory=list)          # beyond the walk's bounds
 
 
 def module_names(root: Optional[torch.nn.Module]) -> dict[int, str]:
@@ -50,9 +55,11 @@ def module_label(module: torch.nn.Module, names: dict[int, str]) -> str:
 
 
 def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_guards: bool,
-                       extra_flags: Sequence[tuple[torch.nn.Module, bool]] = ()) -> StateGuards:
+                       extra_flags: Sequence[tuple[torch.nn.Module, bool]] = (),
+                       reads: Optional[ReadContext] = None) -> StateGuards:
     """`extra_flags`: training flags a backend folded into its graph (guarded by value,
-    like the flags the trace branched on)."""
+    like the flags the trace branched on).  `reads`: what the capture ran and read
+    (value guards); None builds the structural guards only."""
     names = module_names(root)
     guards = StateGuards([], [], [])
     seen: set[int] = set()
@@ -87,8 +94,44 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_
         guards.flags.append((module, bool(value)))
     for module, value in guards.flags:
         guards.names.append(f"{module_label(module, names)}.training == {value}")
+    if reads is not None:
+        _add_value_guards(guards, reads)
     return guards
 
+
+@dataclass
+class ReadContext:
+    """What the miss path knows about a capture beyond the Capture itself."""
+    global_state: tuple[Any, tuple[Any, ...]]  # (GlobalStateGuard, its spec)
+    found: state_guards.StateGuardSet         # value guards (walk_state)
+
+
+def walk_state(capture: Any, root: Optional[torch.nn.Module], recorder: Any, fn: Any,
+               arguments: list[tuple[str, Any]]) -> state_guards.StateGuardSet:
+    """The value guards of a capture: what the code that ran could read."""
+    labels = module_names(root)
+    if root is not None:
+        for name, tensor in root.named_parameters(remove_duplicate=False):
+            labels.setdefault(id(tensor), f"self.{name}")
+        for name, tensor in root.named_buffers(remove_duplicate=False):
+            labels.setdefault(id(tensor), f"self.{name}")
+    spec = capture.runner_spec
+    attr_tensors = [v for v in (spec.attr_values.values() if spec is not None else ())
+                    if isinstance(v, torch.Tensor)]
+    identity_keyed = [(name, obj) for name, value in arguments
+                      for obj in state_guards.identity_keyed(value)]
+    return state_guards.build_state_value_guards(
+        recorder, root, capture.visited_modules, fn, identity_keyed, labels,
+        guard_tensor_metadata=bool(getattr(capture, "read_metadata", False)),
+        attr_tensors=attr_tensors,
+    )
+
+
+def _add_value_guards(guards: StateGuards, reads: ReadContext) -> None:
+    guards.values = [reads.global_state[1], *reads.found.specs]
+    guards.names += ["global torch state (autocast, default dtype, deterministic "
+                     "algorithms, inference mode, ...)", *reads.found.names]
+    guards.not_guarded = reads.found.truncated
 
 def describe_value(value: Any, depth: int = 0) -> str:
     """What the per-call key records of one argument, in words (for logs/explain)."""

@@ -46,6 +46,7 @@ import operator
 import os
 import re
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -146,6 +147,9 @@ class Capture:
     slot_names: tuple[str, ...]
     runner_spec: Optional[RunnerSpec] = field(default=None, repr=False)
     _example_inputs: list[Any] = field(default_factory=list, repr=False)
+    # Python read tensor metadata (a dtype, a shape) that went into the graph as a
+    # constant: then parameters' and constants' metadata is guarded too.
+    read_metadata: bool = False
 
     def make_runner(
         self, compiled: Optional[Callable[..., Any]] = None, *, training_folded: bool = False
@@ -511,15 +515,29 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
         yield from _tensors_in((value.start, value.stop, value.step))
 
 
-def _holds_tensor(obj: Any) -> bool:
-    """Does a non-pytree object carry tensors in its attributes (one level deep)?"""
-    attributes = getattr(obj, "__dict__", None)
-    if not isinstance(attributes, dict):
+def _holds_tensor(obj: Any, depth: int = 0, seen: Optional[set[int]] = None) -> bool:
+    """Does a non-pytree object carry tensors, at any depth of its attributes, lists,
+    tuples and dicts (an HF `DynamicCache` holds them in a list of layer objects)?
+    Modules, functions, classes and Python modules are not looked into."""
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth > 8 or isinstance(obj, (*_LITERAL_TYPES, nn.Module, type, types.FunctionType,
+                                     types.ModuleType, types.MethodType)):
         return False
-    return any(
-        isinstance(v, torch.Tensor) or next(_tensors_in(v), None) is not None
-        for v in attributes.values()
-    )
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return False
+        items = attributes.values()
+    return any(_holds_tensor(item, depth + 1, seen) for item in list(items))
 
 
 def _has_call_hooks(module: nn.Module) -> bool:
@@ -765,6 +783,7 @@ class Tracer(TorchFunctionMode):
 
         self._last_placeholder: Optional[fx.Node] = None
         self._example_inputs: list[Any] = []
+        self.read_metadata = False
 
         # Global torch state as the graph sees it, versus as the run has it.
         self._entry_grad_mode = torch.is_grad_enabled()
@@ -1351,6 +1370,7 @@ class Tracer(TorchFunctionMode):
             return
         if next(_tensors_in(result), None) is None:
             if kind == "getattr":
+                self.read_metadata = True
                 return  # a property (shape, dtype, grad=None...): a constant
             if kind == "setattr" or result is None or isinstance(result, RemovableHandle):
                 pass  # a side effect (x[i] = v, x.register_hook(f)): record it as a node
@@ -1362,6 +1382,7 @@ class Tracer(TorchFunctionMode):
                 or func is torch.is_floating_point
                 or func is torch.is_complex
             ):
+                self.read_metadata = True
                 return  # metadata: a constant, guarded by the caller's shape checks
             elif isinstance(result, (bool, int, float, complex, str, list, tuple)) or (
                 type(result).__module__ == "numpy"
@@ -1757,6 +1778,7 @@ class Tracer(TorchFunctionMode):
             slot_names=self.slot_names,
             runner_spec=runner_spec,
             _example_inputs=self._example_inputs if graph_module is not None else [],
+            read_metadata=self.read_metadata,
         )
         # The trace's bookkeeping holds every intermediate tensor: drop it now.
         self._tensor_nodes.clear()

@@ -1,0 +1,275 @@
+/* value_guards.c - guards on the Python values a capture read (see value_guards.h). */
+#include "value_guards.h"
+
+static const char *const kind_names[] = {"dict", "list", "cell", "function", "tensor", "call"};
+
+/* Equal as far as a captured graph can tell: identity, or value for immutable
+ * scalars and tuples of them.  No Python code runs for these types. */
+static int
+same_value(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    PyTypeObject *type = Py_TYPE(a);
+    if (type != Py_TYPE(b)) {
+        return 0;
+    }
+    if (type == &PyLong_Type || type == &PyFloat_Type || type == &PyComplex_Type ||
+        type == &PyUnicode_Type || type == &PyBytes_Type ||
+        strcmp(type->tp_name, "torch.device") == 0) {
+        int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+        if (eq < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        return eq;
+    }
+    if (PyTuple_Check(a)) {   /* tuples, torch.Size, named tuples: immutable */
+        Py_ssize_t n = PyTuple_GET_SIZE(a);
+        if (n != PyTuple_GET_SIZE(b)) {
+            return 0;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!same_value(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i))) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
+static int
+spec_error(Py_ssize_t size, const char *kind, const char *what)
+{
+    PyErr_Format(PyExc_TypeError, "value guard spec (%zd items, kind %s): %s", size, kind, what);
+    return -1;
+}
+
+int
+value_guard_init(ValueGuard *guard, PyObject *spec)
+{
+    memset(guard, 0, sizeof(*guard));
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2) {
+        PyErr_SetString(PyExc_TypeError, "value guard spec must be a tuple (kind, target, ...)");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(spec);
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(spec, 0));
+    if (kind == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (kind < VG_DICT || kind > VG_CALL) {
+        PyErr_Format(PyExc_ValueError, "value guard spec: unknown kind %ld", kind);
+        return -1;
+    }
+    const char *name = kind_names[kind];
+    PyObject *target = PyTuple_GET_ITEM(spec, 1);
+    guard->kind = (int)kind;
+    switch (kind) {
+    case VG_DICT: {
+        if (n != 5 || !PyDict_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(spec, 3)) ||
+            PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 2)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 3))) {
+            return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing)");
+        }
+        guard->keys = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
+        guard->expected = Py_NewRef(PyTuple_GET_ITEM(spec, 3));
+        guard->missing = Py_NewRef(PyTuple_GET_ITEM(spec, 4));
+        guard->version = nns_dict_version(target);
+        break;
+    }
+    case VG_LIST:
+        if (n != 3 || !PyList_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2))) {
+            return spec_error(n, name, "expected (1, list, items tuple)");
+        }
+        guard->expected = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
+        break;
+    case VG_CELL:
+        if (n != 3 || !PyCell_Check(target)) {
+            return spec_error(n, name, "expected (2, cell, value)");
+        }
+        guard->expected = PyTuple_Pack(1, PyTuple_GET_ITEM(spec, 2));
+        if (guard->expected == NULL) {
+            return -1;
+        }
+        break;
+    case VG_FUNCTION:
+        if (n != 5 || !PyFunction_Check(target)) {
+            return spec_error(n, name, "expected (3, function, code, defaults, kwdefaults)");
+        }
+        guard->expected = PyTuple_GetSlice(spec, 2, 5);
+        if (guard->expected == NULL) {
+            return -1;
+        }
+        break;
+    case VG_TENSOR:
+        if (n != 5 || !PyWeakref_CheckRef(target)) {
+            return spec_error(n, name, "expected (4, weakref to tensor, dtype, device, shape)");
+        }
+        guard->expected = PyTuple_GetSlice(spec, 2, 5);
+        if (guard->expected == NULL) {
+            return -1;
+        }
+        break;
+    case VG_CALL:
+        if (n != 2 || !PyCallable_Check(target)) {
+            return spec_error(n, name, "expected (5, callable)");
+        }
+        break;
+    }
+    guard->target = Py_NewRef(target);
+    return 0;
+}
+
+void
+value_guard_clear(ValueGuard *guard)
+{
+    Py_CLEAR(guard->target);
+    Py_CLEAR(guard->keys);
+    Py_CLEAR(guard->expected);
+    Py_CLEAR(guard->missing);
+}
+
+int
+value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg)
+{
+    Py_VISIT(guard->target);
+    Py_VISIT(guard->keys);
+    Py_VISIT(guard->expected);
+    Py_VISIT(guard->missing);
+    return 0;
+}
+
+static int
+check_dict(ValueGuard *guard)
+{
+    PyObject *dict = guard->target;
+    uint64_t version = nns_dict_version(dict);
+    if (version == guard->version) {
+        return 1;
+    }
+    /* Re-validate the recorded entries.  Owned references: a key's __eq__ may run
+     * Python that rebinds or deletes entries of this dict. */
+    Py_ssize_t n = PyTuple_GET_SIZE(guard->keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(guard->keys, i));
+        if (value == NULL) {
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                return 0;
+            }
+            value = guard->missing;
+        }
+        Py_INCREF(value);
+        int same = same_value(PyTuple_GET_ITEM(guard->expected, i), value);
+        Py_DECREF(value);
+        if (!same) {
+            return 0;
+        }
+    }
+    /* Everything the capture read is as it was: remember the version read before the
+     * comparisons, so a write made meanwhile is looked at again next time. */
+    guard->version = version;
+    return 1;
+}
+
+static int
+check_list(ValueGuard *guard)
+{
+    PyObject *list = guard->target;
+    PyObject *expected = guard->expected;
+    Py_ssize_t n = PyTuple_GET_SIZE(expected);
+    if (PyList_GET_SIZE(list) != n) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* same_value runs no Python for the types it compares by value */
+        if (!same_value(PyTuple_GET_ITEM(expected, i), PyList_GET_ITEM(list, i))) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static int
+check_function(ValueGuard *guard)
+{
+    PyObject *fn = guard->target;
+    PyObject *expected = guard->expected;
+    PyObject *defaults = PyFunction_GET_DEFAULTS(fn);
+    PyObject *kwdefaults = PyFunction_GET_KW_DEFAULTS(fn);
+    return PyFunction_GET_CODE(fn) == PyTuple_GET_ITEM(expected, 0) &&
+           (defaults ? defaults : Py_None) == PyTuple_GET_ITEM(expected, 1) &&
+           (kwdefaults ? kwdefaults : Py_None) == PyTuple_GET_ITEM(expected, 2);
+}
+
+static int
+check_tensor(ValueGuard *guard)
+{
+    static const char *const fields[] = {"dtype", "device", "shape"};
+    PyObject *tensor = PyWeakref_GET_OBJECT(guard->target);
+    if (tensor == Py_None) {
+        return -1;
+    }
+    int ok = 1;
+    Py_INCREF(tensor);   /* a getter may drop the last other reference */
+    for (int i = 0; ok && i < 3; i++) {
+        PyObject *value = PyObject_GetAttrString(tensor, fields[i]);
+        if (value == NULL) {
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+        PyObject *want = PyTuple_GET_ITEM(guard->expected, i);
+        if (i == 2) {   /* torch.Size against the recorded tuple */
+            int eq = PyObject_RichCompareBool(value, want, Py_EQ);
+            if (eq < 0) {
+                PyErr_Clear();
+            }
+            ok = eq == 1;
+        }
+        else {
+            ok = same_value(want, value);
+        }
+        Py_DECREF(value);
+    }
+    Py_DECREF(tensor);
+    return ok;
+}
+
+static int
+check_call(ValueGuard *guard)
+{
+    PyObject *result = PyObject_CallNoArgs(guard->target);
+    if (result == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = result == Py_True;
+    Py_DECREF(result);
+    return ok;
+}
+
+int
+value_guard_check(ValueGuard *guard)
+{
+    switch (guard->kind) {
+    case VG_DICT:
+        return check_dict(guard);
+    case VG_LIST:
+        return check_list(guard);
+    case VG_CELL: {
+        PyObject *content = PyCell_GET(guard->target);
+        return content != NULL && same_value(PyTuple_GET_ITEM(guard->expected, 0), content);
+    }
+    case VG_FUNCTION:
+        return check_function(guard);
+    case VG_TENSOR:
+        return check_tensor(guard);
+    case VG_CALL:
+        return check_call(guard);
+    }
+    return 0;
+}

@@ -1,0 +1,71 @@
+/* value_guards.h - guards on Python values a capture read (guard kind 2 of DESIGN.md,
+ * beyond the module tree and hook dicts that cache.c checks by version alone).
+ *
+ * A concrete trace sees values, not where they came from: every plain value that
+ * shaped the graph (`self.scale`, `Dropout.p`, a global, a closure cell, a default, an
+ * item of a list attribute, an attribute of a config object) is recorded by the Python
+ * side (nnscaler_eval/state_guards.py) as one of these guards:
+ *
+ *   VG_DICT      (0, dict, keys, expected, missing): the dict's version is snapshotted;
+ *                while it does not move, the guard holds at the cost of one load.  When
+ *                it moved, the recorded keys are re-read and compared (`missing` stands
+ *                for "absent"); if all still match, the new version is remembered, so an
+ *                unrelated write (a counter, `train()`) costs one re-validation, not a
+ *                recapture.  Module __dict__s, objects' __dict__s, class dicts, globals.
+ *   VG_LIST      (1, list, expected): length and items compared on every check (lists
+ *                have no version tag).
+ *   VG_CELL      (2, cell, expected): a closure cell's content.
+ *   VG_FUNCTION  (3, function, code, defaults, kwdefaults): a function object still runs
+ *                the same code with the same defaults (identity).
+ *   VG_TENSOR    (4, weakref to tensor, dtype, device, shape): metadata of a tensor that
+ *                is not an input (a parameter, buffer or constant) and that Python code
+ *                read (`x.to(self.weight.dtype)`); `.to()` / `.half()` in place move it.
+ *   VG_CALL      (5, callable): a C-level predicate returning True while it holds
+ *                (torch's GlobalStateGuard.check: autocast, default dtype, ...).
+ *
+ * Values are compared by identity, except exact int/float/complex/str/bytes, tuples
+ * (elementwise) and torch.device, which compare by value (`self.p = 0.1` written again
+ * holds).  A failing comparison or an error while checking counts as "does not hold":
+ * the call recaptures; it never hits on doubt.
+ *
+ * References: a ValueGuard owns every object it names.  Tensors are held weakly.
+ */
+#ifndef NNSCALER_VALUE_GUARDS_H
+#define NNSCALER_VALUE_GUARDS_H
+
+#include "compat.h"
+
+enum {
+    VG_DICT = 0,
+    VG_LIST = 1,
+    VG_CELL = 2,
+    VG_FUNCTION = 3,
+    VG_TENSOR = 4,
+    VG_CALL = 5,
+};
+
+typedef struct {
+    int kind;
+    PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable */
+    PyObject *keys;       /* owned tuple (VG_DICT) or NULL */
+    PyObject *expected;   /* owned tuple: expected values or fields, or NULL (VG_CALL) */
+    PyObject *missing;    /* owned (VG_DICT): the object that stands for "absent" */
+    uint64_t version;     /* VG_DICT: version at which `expected` was last validated */
+} ValueGuard;
+
+/* Fill `guard` from one spec tuple (see above). 0, or -1 with an exception set
+ * (a clear TypeError/ValueError naming what is wrong with the spec). */
+int value_guard_init(ValueGuard *guard, PyObject *spec);
+
+/* Release what `guard` owns (safe on a zeroed or partly filled guard). */
+void value_guard_clear(ValueGuard *guard);
+
+int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
+
+/* 1 when the guard holds, 0 when it does not, -1 when it can never hold again (a
+ * weakly held tensor died).  Never leaves an exception set.
+ * May run Python: key __eq__/__hash__ of non-str dict keys, tensor-subclass getters,
+ * the VG_CALL predicate.  The caller must own a reference to whatever holds `guard`. */
+int value_guard_check(ValueGuard *guard);
+
+#endif

@@ -1,0 +1,403 @@
+"""Guards on the Python state a capture read (DESIGN.md, guard kind 2: values).
+
+A concrete trace sees values, not where they came from: `x * self.scale` records a
+multiplication by 0.5, whatever `self.scale` is next time.  So every plain value the
+forward could have read is guarded, and a change recaptures.  What "could have read"
+means, concretely:
+
+- the code objects that ran during the capture are recorded (`CodeRecorder`, a
+  profile function on the capturing thread); the names they can look up as
+  attributes or globals are their `co_names` (plus identifier-like string constants,
+  for `getattr(self, "name")`).  That set filters every namespace below, so a write to
+  an attribute no captured code names costs one re-validation, never a recapture;
+- the namespaces: the `__dict__` of every module of the root's tree (torch layers'
+  own settings included: `Dropout.p`, `LayerNorm.eps`), of every object reached from
+  them, from the globals those names select, and from the arguments (config objects
+  passed in), with the class dicts along the MRO for class attributes; the globals
+  dict of each function that ran; closure cells and the code/defaults of functions
+  reached; the items of lists and dicts reached.  Guarded as `(dict, keys, values)`
+  with the dict's version: cheap while nothing moves, re-validated when it does;
+- tensor metadata of parameters, buffers and constants, when the trace asked any
+  tensor for metadata (a dtype or shape baked into the graph may come from them);
+- global torch state (autocast per device, default dtype, deterministic algorithms,
+  inference mode, ...): torch's own GlobalStateGuard, checked in C++.
+
+The walk is bounded (depth and count); what lies beyond is listed by `explain()` as
+not guarded.  It also finds what a replay cannot do: a forward that wrote to an
+argument container or object, or to a global, and a tensor input that is also
+reachable from state (a parameter passed as the input) are reported, so the caller
+does not cache the capture.
+"""
+from __future__ import annotations
+
+import gc
+import keyword
+import os
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
+
+# Spec kinds understood by guards/value_guards.c.
+VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL = range(6)
+
+MAX_DEPTH = 8
+MAX_OBJECTS = 4096
+
+_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+_STDLIB_DIR = os.path.join(os.path.dirname(os.__file__), "")
+
+# Values that carry no state of their own (compared by value or immortal).
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, type(Ellipsis), type(NotImplemented), range,
+          slice)
+# Objects whose state is not user state: never walked into.
+_OPAQUE = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+           types.MethodDescriptorType, types.MethodWrapperType, types.GetSetDescriptorType,
+           types.MemberDescriptorType, types.CodeType, types.FrameType, weakref.ref,
+           property, staticmethod, classmethod, torch._C._TensorMeta)
+
+
+def _is_library_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return filename.startswith(("<frozen", "<nnscaler graph"))
+    return filename.startswith((_OWN_DIR, _TORCH_DIR)) or (
+        filename.startswith(_STDLIB_DIR) and "-packages" not in filename
+    )
+
+
+def _is_library_module(module: types.ModuleType) -> bool:
+    name = getattr(module, "__name__", "") or ""
+    if name.split(".", 1)[0] in ("torch", "nnscaler_eval", "builtins", "numpy"):
+        return True
+    filename = getattr(module, "__file__", None)
+    return filename is None or _is_library_file(filename)
+
+
+def _names_of(code: types.CodeType) -> Iterable[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, str) and const.isidentifier() and not keyword.iskeyword(const):
+            yield const
+
+
+class CodeRecorder:
+    """Records the code objects that run on this thread while it is active.
+
+    A profile function (chained to one already set); it sees every Python frame,
+    including the rewritten ones our evaluator runs and torch layers' forwards.
+    Each globals dict is snapshotted when first met, so writes to it during the
+    capture can be found afterwards.
+    """
+
+    def __init__(self) -> None:
+        self.codes: dict[int, types.CodeType] = {}
+        # id(globals) -> (globals, names read through it, snapshot at first sight)
+        self.globals: dict[int, tuple[dict, set[str], dict]] = {}
+        self._previous: Optional[Callable[..., Any]] = None
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if id(code) not in self.codes:
+                self.codes[id(code)] = code
+                if not _is_library_file(code.co_filename):
+                    scope = frame.f_globals
+                    entry = self.globals.get(id(scope))
+                    if entry is None:
+                        entry = self.globals[id(scope)] = (scope, set(), dict(scope))
+                    entry[1].update(code.co_names)
+        previous = self._previous
+        if previous is not None:
+            previous(frame, event, arg)
+
+    def __enter__(self) -> "CodeRecorder":
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+
+    def names(self) -> set[str]:
+        names: set[str] = set()
+        for code in self.codes.values():
+            if not code.co_filename.startswith(_OWN_DIR):
+                names.update(_names_of(code))
+        return names
+
+    def global_writes(self) -> list[str]:
+        """Globals of user code that the capture rebound or deleted."""
+        written = []
+        for scope, _names, before in self.globals.values():
+            if scope.keys() != before.keys():
+                written += sorted(set(scope.keys()) ^ set(before.keys()))
+                continue
+            written += [k for k, v in before.items() if scope.get(k, MISSING) is not v]
+        return written
+
+
+def _real_dict(cls: type) -> Optional[dict]:
+    """The dict behind `cls.__dict__` (a mappingproxy), whose version moves on writes."""
+    referents = gc.get_referents(cls.__dict__)
+    return referents[0] if len(referents) == 1 and isinstance(referents[0], dict) else None
+
+
+@dataclass
+class StateGuardSet:
+    specs: list[tuple[Any, ...]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    state_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    truncated: list[str] = field(default_factory=list)
+
+    def add(self, spec: tuple[Any, ...], name: str) -> None:
+        self.specs.append(spec)
+        self.names.append(name)
+
+
+class _StateWalk:
+    """Builds the value guards for one capture (see the module docstring)."""
+
+    def __init__(self, names: set[str], labels: dict[int, str]) -> None:
+        self.names = names
+        self.labels = labels
+        self.out = StateGuardSet()
+        self._seen: set[int] = set()
+        self._dicts: set[int] = set()
+        self._keep: list[Any] = []
+
+    def _label(self, obj: Any, fallback: str) -> str:
+        return self.labels.get(id(obj), fallback)
+
+    def guard_namespace(self, namespace: dict, label: str, depth: int,
+                        names: Optional[Iterable[Any]] = None, skip: Iterable[str] = ()) -> None:
+        """Guard `namespace[key]` for the keys captured code can read, and walk them.
+
+        `names=None`: the names captured code can look up (attribute namespaces);
+        otherwise exactly those keys (a plain dict: all of its keys)."""
+        if id(namespace) in self._dicts:
+            return
+        self._dicts.add(id(namespace))
+        skipped = set(skip)
+        if names is None:
+            keys = tuple(k for k in sorted(self.names) if k not in skipped)
+        else:
+            keys = tuple(k for k in names if k not in skipped)
+        if not keys:
+            return
+        values = tuple(namespace.get(k, MISSING) for k in keys)
+        present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
+        self.out.add((VG_DICT, namespace, keys, values, MISSING),
+                     f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
+                     f"{', ...' if len(present) > 6 else ''})")
+        for key, value in present:
+            self.visit(value, f"{label}.{key}", depth + 1)
+
+    def visit(self, value: Any, label: str, depth: int) -> None:
+        if isinstance(value, _ATOMS) or isinstance(value, _OPAQUE):
+            return
+        if isinstance(value, torch.Tensor):
+            self.out.state_tensors[id(value)] = value
+            return
+        if id(value) in self._seen:
+            return
+        if depth > MAX_DEPTH or len(self._seen) >= MAX_OBJECTS:
+            self.out.truncated.append(label)
+            return
+        self._seen.add(id(value))
+        self._keep.append(value)
+        if isinstance(value, nn.Module):
+            self.visit_module(value, depth)
+        elif type(value) is list:
+            self.out.add((VG_LIST, value, tuple(value)), f"{label} (list of {len(value)})")
+            for i, item in enumerate(value):
+                self.visit(item, f"{label}[{i}]", depth + 1)
+        elif isinstance(value, (tuple, frozenset)):
+            for i, item in enumerate(value):
+                self.visit(item, f"{label}[{i}]", depth + 1)
+        elif type(value) is dict:
+            self.guard_namespace(value, label, depth, names=list(value))
+        elif isinstance(value, types.FunctionType):
+            self.visit_function(value, label, depth)
+        elif isinstance(value, types.MethodType):
+            self.visit(value.__func__, f"{label}.__func__", depth + 1)
+            self.visit(value.__self__, f"{label}.__self__", depth + 1)
+        elif isinstance(value, types.ModuleType):
+            if not _is_library_module(value):
+                self.guard_namespace(value.__dict__, f"module {value.__name__}", depth)
+        elif isinstance(value, type):
+            self.visit_class(value, depth)
+        else:
+            self.visit_object(value, label, depth)
+
+    def visit_module(self, module: nn.Module, depth: int) -> None:
+        label = self._label(module, f"<{type(module).__name__}>")
+        # `training` is a graph input or a flag guard; the tree and hook dicts are
+        # version-guarded by guard_builder; children are walked below.
+        self.guard_namespace(module.__dict__, label, depth, skip=("training",))
+        self.visit_class(type(module), depth)
+        for name, child in module._modules.items():
+            if child is not None:
+                self.visit(child, f"{label}.{name}", depth + 1)
+
+    def visit_object(self, obj: Any, label: str, depth: int) -> None:
+        namespace = getattr(obj, "__dict__", None)
+        if type(namespace) is dict:
+            self.guard_namespace(namespace, label, depth)
+        elif namespace is None and hasattr(type(obj), "__slots__"):
+            self.out.truncated.append(f"{label} ({type(obj).__name__} has __slots__)")
+        self.visit_class(type(obj), depth)
+
+    def visit_class(self, cls: type, depth: int) -> None:
+        for klass in cls.__mro__:
+            if klass is object or klass.__module__ == "builtins":
+                continue
+            namespace = _real_dict(klass)
+            if namespace is None or id(namespace) in self._dicts:
+                continue
+            present = set(k for k in self.names if k in namespace)
+            if klass.__module__.startswith("torch."):
+                # torch's own classes: only plain values (class-level constants such as
+                # `_version`), not the methods (monkeypatching torch is out of scope)
+                present = set(k for k in present if isinstance(namespace[k], _ATOMS))
+            self.guard_namespace(namespace, f"class {klass.__qualname__}", depth, names=present)
+
+    def visit_function(self, fn: types.FunctionType, label: str, depth: int) -> None:
+        if _is_library_file(fn.__code__.co_filename):
+            return
+        self.out.add((VG_FUNCTION, fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__),
+                     f"{label}: code and defaults of {fn.__qualname__}")
+        for i, default in enumerate(fn.__defaults__ or ()):
+            self.visit(default, f"{label}.__defaults__[{i}]", depth + 1)
+        self.guard_cells(fn, label, depth)
+
+    def guard_cells(self, fn: Any, label: str, depth: int) -> None:
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # empty cell
+                continue
+            if isinstance(content, nn.Module):
+                continue  # modules: walked through the tree; their cells stay bound
+            self.out.add((VG_CELL, cell, content), f"{label}: closure cell {name!r}")
+            self.visit(content, f"{label}.<cell {name}>", depth + 1)
+
+
+def build_state_value_guards(
+    recorder: CodeRecorder,
+    root: Optional[nn.Module],
+    modules: Iterable[nn.Module],
+    fn: Optional[Callable[..., Any]],
+    arguments: Iterable[tuple[str, Any]],
+    labels: dict[int, str],
+    guard_tensor_metadata: bool,
+    attr_tensors: Iterable[torch.Tensor] = (),
+) -> StateGuardSet:
+    """The value guards of one capture; `labels`: id(module) -> path for messages."""
+    walk = _StateWalk(recorder.names(), labels)
+    if root is not None:
+        walk.visit(root, "self", 0)
+    for module in modules:
+        walk.visit(module, walk._label(module, type(module).__name__), 0)
+    if fn is not None and getattr(fn, "__closure__", None):
+        walk.guard_cells(fn, getattr(fn, "__qualname__", "forward"), 0)
+    for scope, names, _before in list(recorder.globals.values()):
+        module_name = scope.get("__name__", "?")
+        walk.guard_namespace(scope, f"globals of {module_name}", 0, names=set(names))
+    for name, value in arguments:
+        walk.visit(value, f"argument {name}", 0)
+    if guard_tensor_metadata:
+        tensors = {id(t): t for t in attr_tensors}
+        for tensor in tensors.values():
+            with torch._C.DisableTorchFunction():
+                meta = (tensor.dtype, tensor.device, tuple(tensor.shape))
+            walk.out.add((VG_TENSOR, weakref.ref(tensor), *meta),
+                         f"{labels.get(id(tensor), 'tensor')}: dtype/device/shape "
+                         f"{str(meta[0]).replace('torch.', '')}, {meta[1]}, {list(meta[2])}")
+    return walk.out
+
+
+def global_state_guard() -> tuple[Any, tuple[Any, ...]]:
+    """torch's GlobalStateGuard made now, and its value-guard spec."""
+    guard = torch._C._dynamo.guards.GlobalStateGuard()
+    return guard, (VG_CALL, guard.check)
+
+
+def identity_keyed(value: Any, depth: int = 0) -> Iterable[Any]:
+    """The objects inside an argument that the per-call key names by identity (see
+    guards/call_key.c): their state is guarded; containers keyed by value are not
+    (the next call passes other containers with the same contents)."""
+    if depth > MAX_DEPTH or isinstance(value, (_ATOMS, torch.Tensor, nn.Module)):
+        return
+    if type(value) in (tuple, list) or (isinstance(value, tuple) and not hasattr(value, "__dict__")):
+        for item in value:
+            yield from identity_keyed(item, depth + 1)
+    elif type(value) is dict:
+        for item in value.values():
+            yield from identity_keyed(item, depth + 1)
+    elif type(value).__module__ != "numpy":
+        yield value
+
+
+def argument_snapshot(values: Iterable[tuple[str, Any]]) -> list[tuple[Any, Any, str]]:
+    """What a forward could mutate in its non-tensor arguments: containers' items and
+    objects' __dict__ contents, recursively (compared by `mutated_arguments`)."""
+    seen: set[int] = set()
+    out: list[tuple[Any, Any, str]] = []
+
+    def walk(value: Any, label: str, depth: int) -> None:
+        if (depth > MAX_DEPTH or isinstance(value, (_ATOMS, torch.Tensor, nn.Module))
+                or isinstance(value, _OPAQUE) or id(value) in seen
+                or isinstance(value, (types.FunctionType, types.ModuleType, type))):
+            return
+        seen.add(id(value))
+        items: Iterable[tuple[Any, Any]]
+        if isinstance(value, list):
+            out.append((value, tuple(value), f"{label} (list)"))
+            items = enumerate(list(value))
+        elif isinstance(value, dict):
+            out.append((value, tuple(value.items()), f"{label} (dict)"))
+            items = list(value.items())
+        elif isinstance(value, tuple):
+            items = enumerate(value)
+        elif isinstance(value, set):
+            out.append((value, frozenset(value), f"{label} (set)"))
+            items = ()
+        else:
+            namespace = getattr(value, "__dict__", None)
+            if type(namespace) is not dict:
+                return
+            out.append((namespace, tuple(namespace.items()),
+                        f"{label} (attributes of a {type(value).__name__})"))
+            items = list(namespace.items())
+        for key, item in items:
+            walk(item, f"{label}[{key!r}]", depth + 1)
+
+    for name, value in values:
+        walk(value, name, 0)
+    return out
+
+
+def mutated_arguments(snapshot: list[tuple[Any, Any, str]]) -> Optional[str]:
+    """The first container or object of `argument_snapshot` that changed, named."""
+    for container, before, label in snapshot:
+        if isinstance(container, set):
+            now: Any = frozenset(container)
+            changed = now != before
+        elif isinstance(container, dict):
+            now = tuple(container.items())
+            changed = len(now) != len(before) or any(
+                a[0] is not b[0] and a[0] != b[0] or a[1] is not b[1] for a, b in zip(now, before))
+        else:
+            now = tuple(container)
+            changed = len(now) != len(before) or any(a is not b for a, b in zip(now, before))
+        if changed:
+            return label
+    return None
