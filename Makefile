@@ -25,7 +25,7 @@ sysdeps:
 $(VENV)/.deps: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)" pytest numpy matplotlib
+	$(PY) -m pip install -q "$(TORCH_SPEC)" pytest numpy matplotlib "transformers>=5,<6"
 	touch $@
 
 venv: $(VENV)/.deps

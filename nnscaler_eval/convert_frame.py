@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs, state_guards
+from nnscaler_eval.compile_awareness import compile_safe_paths
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import ReadContext, build_state_guards, describe_key, walk_state
@@ -212,7 +213,7 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
     recorder = state_guards.CodeRecorder()
-    with recorder:
+    with recorder, compile_safe_paths():
         capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
                                  call=slot_call(fn, code, slots))
     found = walk_state(capture, self, recorder, fn, arguments)
@@ -298,8 +299,11 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
             _C.mark_skip(runner_code)
         if logs.graph.isEnabledFor(10):
             logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
+    # A fallback entry runs the frame eagerly, which is right whatever the state: it
+    # needs no value guards (with them, an argument whose state changes every call,
+    # such as a KV cache, would retry the capture on every call).
     guards = build_state_guards(capture, self, config.skip_nnmodule_hook_guards, folded_flags,
-                                reads)
+                                reads if runner is not None else None)
     if logs.guards.isEnabledFor(10):
         logs.guards.debug("guards of %s:\n  key: %s\n  state: %s", where, "; ".join(key),
                           "; ".join(guards.names) or "none")

@@ -21,10 +21,22 @@ class CacheInfo(NamedTuple):
     entries: int    # entries in the cache now
 
 
-def _forward_code(module: torch.nn.Module) -> Any:
+def _forward_codes(module: torch.nn.Module) -> list[Any]:
+    """The code objects a call of `module` runs as its forward: the function and, for
+    a decorated forward (`functools.wraps`), every function along `__wrapped__` (the
+    innermost one is the frame the evaluator intercepts)."""
     forward = module.__dict__.get("forward") or type(module).forward
     forward = getattr(forward, "__func__", forward)
-    return getattr(forward, "__code__", None)
+    codes = []
+    for _ in range(16):   # a bounded walk: __wrapped__ chains can be cyclic
+        code = getattr(forward, "__code__", None)
+        if code is not None and code not in codes:
+            codes.append(code)
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            break
+        forward = getattr(forward, "__func__", forward)
+    return codes
 
 
 def _buckets(obj: Any) -> Iterator[Any]:
@@ -33,14 +45,12 @@ def _buckets(obj: Any) -> Iterator[Any]:
     if isinstance(obj, torch.nn.Module):
         seen: set[int] = set()
         for module in obj.modules():
-            code = _forward_code(module)
-            if code is None:
-                continue
-            state = _C.code_state(code)
-            for bucket in (state or {}).get("buckets", []):
-                if bucket.self is module and id(bucket) not in seen:
-                    seen.add(id(bucket))
-                    yield bucket
+            for code in _forward_codes(module):
+                state = _C.code_state(code)
+                for bucket in (state or {}).get("buckets", []):
+                    if bucket.self is module and id(bucket) not in seen:
+                        seen.add(id(bucket))
+                        yield bucket
         return
     fn = obj._nnscaler_fn if isinstance(obj, _C.CompiledFunction) else obj
     if isinstance(fn, types.MethodType):
@@ -131,7 +141,7 @@ def explain(obj: Any, *args: Any, **kwargs: Any) -> ExplainReport:
 
 def _clear_obj(obj: Any) -> None:
     if isinstance(obj, torch.nn.Module):
-        codes = {_forward_code(m) for m in obj.modules()}
+        codes = {code for m in obj.modules() for code in _forward_codes(m)}
     else:
         fn = obj._nnscaler_fn if isinstance(obj, _C.CompiledFunction) else obj
         codes = {getattr(getattr(fn, "__func__", fn), "__code__", None)}

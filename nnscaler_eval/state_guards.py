@@ -30,6 +30,7 @@ does not cache the capture.
 """
 from __future__ import annotations
 
+import dis
 import gc
 import keyword
 import os
@@ -48,6 +49,7 @@ MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL = range(6)
 
 MAX_DEPTH = 8
+_CO_NEWLOCALS = 0x2
 MAX_OBJECTS = 4096
 
 _OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
@@ -71,6 +73,10 @@ def _is_library_file(filename: str) -> bool:
     return filename.startswith((_OWN_DIR, _TORCH_DIR)) or (
         filename.startswith(_STDLIB_DIR) and "-packages" not in filename
     )
+
+
+def _is_installed(code: types.CodeType) -> bool:
+    return "-packages" + os.sep in code.co_filename
 
 
 def _is_library_module(module: types.ModuleType) -> bool:
@@ -108,7 +114,9 @@ class CodeRecorder:
             code = frame.f_code
             if id(code) not in self.codes:
                 self.codes[id(code)] = code
-                if not _is_library_file(code.co_filename):
+                # Function frames only: a module body run meanwhile (a lazy import)
+                # fills its own globals, which is no write by the forward.
+                if code.co_flags & _CO_NEWLOCALS and not _is_library_file(code.co_filename):
                     scope = frame.f_globals
                     entry = self.globals.get(id(scope))
                     if entry is None:
@@ -134,14 +142,31 @@ class CodeRecorder:
         return names
 
     def global_writes(self) -> list[str]:
-        """Globals of user code that the capture rebound or deleted."""
+        """Globals the captured code rebound or deleted: names that code which ran
+        stores with STORE_GLOBAL / DELETE_GLOBAL, compared with the snapshot its
+        globals dict got when first met."""
         written = []
-        for scope, _names, before in self.globals.values():
-            if scope.keys() != before.keys():
-                written += sorted(set(scope.keys()) ^ set(before.keys()))
+        for code in self.codes.values():
+            names = _stored_globals(code)
+            # The user's code only: installed packages (sympy, ...) cache lazily into
+            # their own globals, which changes no result of the forward.
+            if not names or _is_library_file(code.co_filename) or _is_installed(code):
                 continue
-            written += [k for k, v in before.items() if scope.get(k, MISSING) is not v]
-        return written
+            for scope, _names, before in self.globals.values():
+                if code.co_names and any(n in scope or n in before for n in names):
+                    written += [n for n in names
+                                if scope.get(n, MISSING) is not before.get(n, MISSING)]
+        return sorted(set(written))
+
+
+_GLOBAL_STORES = {dis.opmap["STORE_GLOBAL"], dis.opmap["DELETE_GLOBAL"]}
+
+
+def _stored_globals(code: types.CodeType) -> list[str]:
+    raw = code.co_code
+    if not any(raw[i] in _GLOBAL_STORES for i in range(0, len(raw), 2)):
+        return []
+    return [ins.argval for ins in dis.get_instructions(code) if ins.opcode in _GLOBAL_STORES]
 
 
 def _real_dict(cls: type) -> Optional[dict]:

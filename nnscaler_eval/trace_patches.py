@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from nnscaler_eval.compile_awareness import dynamo_is_compiling
 from nnscaler_eval.trace_state import current_tracer
 from nnscaler_eval.tracked_values import holds_tracked, plain_value, quiet_plain
 
@@ -55,7 +56,7 @@ _original_breakpointhook: Callable[..., Any] = sys.breakpointhook
 def _tracing_tracer() -> Optional[Any]:
     # torch.compile tracing through these patches (eager torch.cond compiles its
     # branches) must see the plain functions: Dynamo cannot inline our tracer.
-    if torch.compiler.is_compiling():
+    if dynamo_is_compiling():
         return None
     tracer = current_tracer()
     if tracer is not None and getattr(tracer, "recording", False):
