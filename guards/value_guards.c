@@ -40,6 +40,48 @@ same_value(PyObject *a, PyObject *b)
     return 0;
 }
 
+/* Expected values that would keep an object graph alive are held by weakref.
+ * Values compared by value (and tuples of them) stay strong: they reference nothing
+ * that can lead back to a module. */
+static int
+hold_weakly(ValueGuard *guard)
+{
+    PyObject *expected = guard->expected;
+    Py_ssize_t n = PyTuple_GET_SIZE(expected);
+    guard->weak = PyMem_Calloc((size_t)n + 1, 1);
+    if (guard->weak == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(expected, i);
+        if (item == guard->missing || !PyType_SUPPORTS_WEAKREFS(Py_TYPE(item))) {
+            continue;
+        }
+        PyObject *ref = PyWeakref_NewRef(item, NULL);
+        if (ref == NULL) {
+            PyErr_Clear();   /* weakref refused (a type that opts out): keep it strong */
+            continue;
+        }
+        PyTuple_SET_ITEM(expected, i, ref);   /* the tuple is ours alone (made below) */
+        Py_DECREF(item);
+        guard->weak[i] = 1;
+    }
+    return 0;
+}
+
+/* The expected item `i`, borrowed; NULL when it was held weakly and died. */
+static inline PyObject *
+expected_item(ValueGuard *guard, Py_ssize_t i)
+{
+    PyObject *item = PyTuple_GET_ITEM(guard->expected, i);
+    if (guard->weak != NULL && guard->weak[i]) {
+        item = PyWeakref_GET_OBJECT(item);
+        return item == Py_None ? NULL : item;
+    }
+    return item;
+}
+
 static int
 spec_error(Py_ssize_t size, const char *kind, const char *what)
 {
@@ -69,29 +111,53 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
     guard->kind = (int)kind;
     switch (kind) {
     case VG_DICT: {
-        if (n != 5 || !PyDict_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2)) ||
+        if ((n != 5 && n != 6) || !PyDict_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(spec, 3)) ||
             PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 2)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 3))) {
-            return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing)");
+            return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing[, owner])");
         }
         guard->keys = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
-        guard->expected = Py_NewRef(PyTuple_GET_ITEM(spec, 3));
         guard->missing = Py_NewRef(PyTuple_GET_ITEM(spec, 4));
+        if ((guard->expected = PyTuple_GetSlice(PyTuple_GET_ITEM(spec, 3), 0, PY_SSIZE_T_MAX)) == NULL ||
+            hold_weakly(guard) < 0) {
+            return -1;
+        }
+        guard->dict = target;
         guard->version = nns_dict_version(target);
+        if (n == 6 && PyTuple_GET_ITEM(spec, 5) != Py_None) {
+            PyObject *owner = PyTuple_GET_ITEM(spec, 5);
+            PyObject *owned_dict = PyObject_GenericGetDict(owner, NULL);
+            PyObject *ref = NULL;
+            if (owned_dict == target) {
+                ref = PyWeakref_NewRef(owner, NULL);
+            }
+            Py_XDECREF(owned_dict);
+            if (ref != NULL) {
+                /* the guard holds the owner weakly and the dict not at all */
+                guard->target = ref;
+                return 0;
+            }
+            /* not the owner's plain __dict__, or not weakly referenceable: hold
+             * the dict itself, as for owner-less dicts */
+            PyErr_Clear();
+        }
         break;
     }
     case VG_LIST:
         if (n != 3 || !PyList_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2))) {
             return spec_error(n, name, "expected (1, list, items tuple)");
         }
-        guard->expected = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
+        if ((guard->expected = PyTuple_GetSlice(PyTuple_GET_ITEM(spec, 2), 0, PY_SSIZE_T_MAX)) == NULL ||
+            hold_weakly(guard) < 0) {
+            return -1;
+        }
         break;
     case VG_CELL:
         if (n != 3 || !PyCell_Check(target)) {
             return spec_error(n, name, "expected (2, cell, value)");
         }
         guard->expected = PyTuple_Pack(1, PyTuple_GET_ITEM(spec, 2));
-        if (guard->expected == NULL) {
+        if (guard->expected == NULL || hold_weakly(guard) < 0) {
             return -1;
         }
         break;
@@ -130,6 +196,9 @@ value_guard_clear(ValueGuard *guard)
     Py_CLEAR(guard->keys);
     Py_CLEAR(guard->expected);
     Py_CLEAR(guard->missing);
+    PyMem_Free(guard->weak);
+    guard->weak = NULL;
+    guard->dict = NULL;
 }
 
 int
@@ -142,37 +211,72 @@ value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg)
     return 0;
 }
 
+/* The guarded dict, owned; NULL when its owner died (*stale set) or replaced it. */
+static PyObject *
+guarded_dict(ValueGuard *guard, int *stale)
+{
+    *stale = 0;
+    if (guard->target == guard->dict) {
+        return Py_NewRef(guard->dict);
+    }
+    PyObject *owner = PyWeakref_GET_OBJECT(guard->target);
+    if (owner == Py_None) {
+        *stale = 1;
+        return NULL;
+    }
+    /* The owner's current __dict__: the guarded one unless `obj.__dict__ = ...`
+     * replaced it (then the old dict may be gone: compared by address only). */
+    PyObject *dict = PyObject_GenericGetDict(owner, NULL);
+    if (dict == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (dict != guard->dict) {
+        Py_DECREF(dict);
+        return NULL;
+    }
+    return dict;
+}
+
 static int
 check_dict(ValueGuard *guard)
 {
-    PyObject *dict = guard->target;
+    int stale;
+    PyObject *dict = guarded_dict(guard, &stale);   /* owned */
+    if (dict == NULL) {
+        return stale ? -1 : 0;
+    }
+    int ok = 1;
     uint64_t version = nns_dict_version(dict);
     if (version == guard->version) {
-        return 1;
+        goto done;
     }
     /* Re-validate the recorded entries.  Owned references: a key's __eq__ may run
      * Python that rebinds or deletes entries of this dict. */
     Py_ssize_t n = PyTuple_GET_SIZE(guard->keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
         PyObject *value = PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(guard->keys, i));
         if (value == NULL) {
             if (PyErr_Occurred()) {
                 PyErr_Clear();
-                return 0;
+                ok = 0;
+                break;
             }
             value = guard->missing;
         }
         Py_INCREF(value);
-        int same = same_value(PyTuple_GET_ITEM(guard->expected, i), value);
+        PyObject *want = expected_item(guard, i);
+        ok = want != NULL && same_value(want, value);
         Py_DECREF(value);
-        if (!same) {
-            return 0;
-        }
     }
-    /* Everything the capture read is as it was: remember the version read before the
-     * comparisons, so a write made meanwhile is looked at again next time. */
-    guard->version = version;
-    return 1;
+    if (ok) {
+        /* Everything the capture read is as it was: remember the version read before
+         * the comparisons, so a write made meanwhile is looked at again next time. */
+        guard->version = version;
+    }
+done:
+    Py_DECREF(dict);
+    return ok;
 }
 
 static int
@@ -186,7 +290,8 @@ check_list(ValueGuard *guard)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         /* same_value runs no Python for the types it compares by value */
-        if (!same_value(PyTuple_GET_ITEM(expected, i), PyList_GET_ITEM(list, i))) {
+        PyObject *want = expected_item(guard, i);
+        if (want == NULL || !same_value(want, PyList_GET_ITEM(list, i))) {
             return 0;
         }
     }
@@ -208,7 +313,17 @@ check_function(ValueGuard *guard)
 static int
 check_tensor(ValueGuard *guard)
 {
-    static const char *const fields[] = {"dtype", "device", "shape"};
+    static PyObject *fields[3];   /* interned once; immortal for the process */
+    if (fields[0] == NULL) {
+        fields[0] = PyUnicode_InternFromString("dtype");
+        fields[1] = PyUnicode_InternFromString("device");
+        fields[2] = PyUnicode_InternFromString("shape");
+        if (fields[0] == NULL || fields[1] == NULL || fields[2] == NULL) {
+            Py_CLEAR(fields[0]);
+            PyErr_Clear();
+            return 0;
+        }
+    }
     PyObject *tensor = PyWeakref_GET_OBJECT(guard->target);
     if (tensor == Py_None) {
         return -1;
@@ -216,7 +331,7 @@ check_tensor(ValueGuard *guard)
     int ok = 1;
     Py_INCREF(tensor);   /* a getter may drop the last other reference */
     for (int i = 0; ok && i < 3; i++) {
-        PyObject *value = PyObject_GetAttrString(tensor, fields[i]);
+        PyObject *value = PyObject_GetAttr(tensor, fields[i]);
         if (value == NULL) {
             PyErr_Clear();
             ok = 0;
@@ -262,7 +377,8 @@ value_guard_check(ValueGuard *guard)
         return check_list(guard);
     case VG_CELL: {
         PyObject *content = PyCell_GET(guard->target);
-        return content != NULL && same_value(PyTuple_GET_ITEM(guard->expected, 0), content);
+        PyObject *want = expected_item(guard, 0);
+        return content != NULL && want != NULL && same_value(want, content);
     }
     case VG_FUNCTION:
         return check_function(guard);

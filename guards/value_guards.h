@@ -6,12 +6,15 @@
  * item of a list attribute, an attribute of a config object) is recorded by the Python
  * side (nnscaler_eval/state_guards.py) as one of these guards:
  *
- *   VG_DICT      (0, dict, keys, expected, missing): the dict's version is snapshotted;
+ *   VG_DICT      (0, dict, keys, expected, missing[, owner]): the dict's version is snapshotted;
  *                while it does not move, the guard holds at the cost of one load.  When
  *                it moved, the recorded keys are re-read and compared (`missing` stands
  *                for "absent"); if all still match, the new version is remembered, so an
  *                unrelated write (a counter, `train()`) costs one re-validation, not a
  *                recapture.  Module __dict__s, objects' __dict__s, class dicts, globals.
+ *                With `owner` (the object whose __dict__ it is), the owner is held
+ *                weakly and its __dict__ looked up on each check (the guard holds
+ *                neither: a module's __dict__ leads back to the module).
  *   VG_LIST      (1, list, expected): length and items compared on every check (lists
  *                have no version tag).
  *   VG_CELL      (2, cell, expected): a closure cell's content.
@@ -28,7 +31,13 @@
  * holds).  A failing comparison or an error while checking counts as "does not hold":
  * the call recaptures; it never hits on doubt.
  *
- * References: a ValueGuard owns every object it names.  Tensors are held weakly.
+ * References: a ValueGuard never keeps a module alive through what it compares:
+ * expected values that can be weakly referenced (objects, functions, modules) are
+ * held by weakref (a dead one never matches again: -1), dicts with an owner are
+ * reached through the owner's weakref, tensors are held weakly.  Dicts without an
+ * owner (globals, class dicts, plain dict values), lists, cells, functions and
+ * expected values that cannot be weakly referenced (ints, strings, tuples, lists)
+ * are held strongly.
  */
 #ifndef NNSCALER_VALUE_GUARDS_H
 #define NNSCALER_VALUE_GUARDS_H
@@ -46,10 +55,14 @@ enum {
 
 typedef struct {
     int kind;
-    PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable */
+    PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable;
+                             VG_DICT with an owner: a weakref to the owner */
     PyObject *keys;       /* owned tuple (VG_DICT) or NULL */
     PyObject *expected;   /* owned tuple: expected values or fields, or NULL (VG_CALL) */
     PyObject *missing;    /* owned (VG_DICT): the object that stands for "absent" */
+    PyObject *dict;       /* VG_DICT: the dict (== target, or borrowed from the owner:
+                             compared by address only, never dereferenced unchecked) */
+    char *weak;           /* per expected item: 1 when held as a weakref */
     uint64_t version;     /* VG_DICT: version at which `expected` was last validated */
 } ValueGuard;
 

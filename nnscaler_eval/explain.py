@@ -113,6 +113,10 @@ class ExplainReport:
                 lines.append("  guards:")
                 lines += [f"    key  {g}" for g in entry.key]
                 lines += [f"    state {g}" for g in entry.guards]
+                if entry.not_guarded:
+                    lines.append("  not guarded (beyond the state walk's bounds): "
+                                 + ", ".join(entry.not_guarded[:8])
+                                 + (" ..." if len(entry.not_guarded) > 8 else ""))
             else:
                 lines.append(f"\n--- fallback {i}: {entry.where}")
                 lines.append(f"  runs eagerly: {entry.fallback}")

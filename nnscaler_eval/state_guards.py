@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
+from nnscaler_eval.tracer import _is_library_file
+
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
 # Spec kinds understood by guards/value_guards.c.
@@ -53,8 +55,6 @@ _CO_NEWLOCALS = 0x2
 MAX_OBJECTS = 4096
 
 _OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
-_STDLIB_DIR = os.path.join(os.path.dirname(os.__file__), "")
 
 # Values that carry no state of their own (compared by value or immortal).
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -65,14 +65,6 @@ _OPAQUE = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDesc
            types.MethodDescriptorType, types.MethodWrapperType, types.GetSetDescriptorType,
            types.MemberDescriptorType, types.CodeType, types.FrameType, weakref.ref,
            property, staticmethod, classmethod, torch._C._TensorMeta)
-
-
-def _is_library_file(filename: str) -> bool:
-    if filename.startswith("<"):
-        return filename.startswith(("<frozen", "<nnscaler graph"))
-    return filename.startswith((_OWN_DIR, _TORCH_DIR)) or (
-        filename.startswith(_STDLIB_DIR) and "-packages" not in filename
-    )
 
 
 def _is_installed(code: types.CodeType) -> bool:
@@ -202,7 +194,8 @@ class _StateWalk:
         return self.labels.get(id(obj), fallback)
 
     def guard_namespace(self, namespace: dict, label: str, depth: int,
-                        names: Optional[Iterable[Any]] = None, skip: Iterable[str] = ()) -> None:
+                        names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
+                        owner: Any = None) -> None:
         """Guard `namespace[key]` for the keys captured code can read, and walk them.
 
         `names=None`: the names captured code can look up (attribute namespaces);
@@ -219,7 +212,8 @@ class _StateWalk:
             return
         values = tuple(namespace.get(k, MISSING) for k in keys)
         present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
-        self.out.add((VG_DICT, namespace, keys, values, MISSING),
+        # With its owner, the guard holds the owner weakly and the dict not at all.
+        self.out.add((VG_DICT, namespace, keys, values, MISSING, owner),
                      f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
                      f"{', ...' if len(present) > 6 else ''})")
         for key, value in present:
@@ -266,7 +260,7 @@ class _StateWalk:
         label = self._label(module, f"<{type(module).__name__}>")
         # `training` is a graph input or a flag guard; the tree and hook dicts are
         # version-guarded by guard_builder; children are walked below.
-        self.guard_namespace(module.__dict__, label, depth, skip=("training",))
+        self.guard_namespace(module.__dict__, label, depth, skip=("training",), owner=module)
         self.visit_class(type(module), depth)
         for name, child in module._modules.items():
             if child is not None:
@@ -275,7 +269,8 @@ class _StateWalk:
     def visit_object(self, obj: Any, label: str, depth: int) -> None:
         namespace = getattr(obj, "__dict__", None)
         if type(namespace) is dict:
-            self.guard_namespace(namespace, label, depth)
+            weakly = type(obj).__weakrefoffset__ != 0
+            self.guard_namespace(namespace, label, depth, owner=obj if weakly else None)
         elif namespace is None and hasattr(type(obj), "__slots__"):
             self.out.truncated.append(f"{label} ({type(obj).__name__} has __slots__)")
         self.visit_class(type(obj), depth)

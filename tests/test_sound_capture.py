@@ -312,3 +312,27 @@ def test_global_state_change_is_logged(caplog):
     text = caplog.text
     assert "recapture" in text and "scale" in text, text
     del logs
+
+
+class Holder:
+    def __init__(self, module):
+        self.module = module
+        self.scale = 2.0
+
+
+def test_argument_object_referencing_the_module_is_not_kept_alive():
+    """Identity-keyed arguments are held by weakref, and guarded __dict__s through
+    their owner's weakref: nothing in the cache keeps the module alive."""
+    import gc
+    import weakref
+    m = nnscaler.compile(UsesConfig())
+    x = torch.randn(3)
+    holder = Config()
+    holder.module = m          # the argument object references the module
+    m(x, holder)
+    m(x, holder)
+    del holder
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
