@@ -15,6 +15,7 @@
  */
 #include "eval_frame.h"
 #include "code_state.h"
+#include "frame_record.h"
 #include "dispatch.h"
 #include "nns_globals.h"
 
@@ -242,6 +243,9 @@ static PyObject *
 nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
     ThreadArm *arm = &tls_arm;
+    if (frame_record_set != NULL) {
+        frame_record_note(frame);   /* a capture is running on this thread */
+    }
     if (arm->config == NULL || throw_flag) {
         return run_default(ts, frame, throw_flag);
     }

@@ -5,6 +5,7 @@
 #include "bytecode.h"
 #include "cache.h"
 #include "code_state.h"
+#include "frame_record.h"
 #include "compat.h"
 #include "compiled_call.h"
 #include "eval_frame.h"
@@ -312,6 +313,10 @@ static PyMethodDef module_methods[] = {
     {"armed_threads", py_armed_threads, METH_NOARGS, "Number of threads armed now."},
     {"current_config", py_current_config, METH_NOARGS, "This thread's config, or None."},
     {"dict_version", py_dict_version, METH_O, "The version tag of a dict (guards compare it)."},
+    {"record_functions_start", frame_record_start, METH_NOARGS,
+     "record_functions_start() -> token: note every function that runs on this thread."},
+    {"record_functions_stop", frame_record_stop, METH_O,
+     "record_functions_stop(token) -> (set of functions, complete): stop noting them."},
     {NULL, NULL, 0, NULL},
 };
 

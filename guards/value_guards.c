@@ -111,10 +111,16 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
     guard->kind = (int)kind;
     switch (kind) {
     case VG_DICT: {
-        if ((n != 5 && n != 6) || !PyDict_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2)) ||
+        if (n < 5 || n > 7 || !PyDict_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(spec, 3)) ||
             PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 2)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 3))) {
-            return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing[, owner])");
+            return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing[, owner[, watched frozenset]])");
+        }
+        if (n == 7 && PyTuple_GET_ITEM(spec, 6) != Py_None) {
+            if (!PyFrozenSet_Check(PyTuple_GET_ITEM(spec, 6))) {
+                return spec_error(n, name, "watched names must be a frozenset");
+            }
+            guard->watched = Py_NewRef(PyTuple_GET_ITEM(spec, 6));
         }
         guard->keys = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
         guard->missing = Py_NewRef(PyTuple_GET_ITEM(spec, 4));
@@ -124,7 +130,7 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
         }
         guard->dict = target;
         guard->version = nns_dict_version(target);
-        if (n == 6 && PyTuple_GET_ITEM(spec, 5) != Py_None) {
+        if (n >= 6 && PyTuple_GET_ITEM(spec, 5) != Py_None) {
             PyObject *owner = PyTuple_GET_ITEM(spec, 5);
             PyObject *owned_dict = PyObject_GenericGetDict(owner, NULL);
             PyObject *ref = NULL;
@@ -196,6 +202,7 @@ value_guard_clear(ValueGuard *guard)
     Py_CLEAR(guard->keys);
     Py_CLEAR(guard->expected);
     Py_CLEAR(guard->missing);
+    Py_CLEAR(guard->watched);
     PyMem_Free(guard->weak);
     guard->weak = NULL;
     guard->dict = NULL;
@@ -208,6 +215,7 @@ value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg)
     Py_VISIT(guard->keys);
     Py_VISIT(guard->expected);
     Py_VISIT(guard->missing);
+    Py_VISIT(guard->watched);
     return 0;
 }
 
@@ -236,6 +244,34 @@ guarded_dict(ValueGuard *guard, int *stale)
         return NULL;
     }
     return dict;
+}
+
+/* How many of the dict's keys are watched names (a re-validation only).  Walks an
+ * owned copy of the keys: hashing a non-str key may run Python. */
+static Py_ssize_t
+watched_count(PyObject *dict, PyObject *watched)
+{
+    PyObject *keys = PyDict_Keys(dict);
+    if (keys == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyUnicode_CheckExact(key)) {
+            continue;   /* watched names are str */
+        }
+        int in = PySet_Contains(watched, key);
+        if (in < 0) {
+            PyErr_Clear();
+            count = -1;
+            break;
+        }
+        count += in;
+    }
+    Py_DECREF(keys);
+    return count;
 }
 
 static int
@@ -268,6 +304,9 @@ check_dict(ValueGuard *guard)
         PyObject *want = expected_item(guard, i);
         ok = want != NULL && same_value(want, value);
         Py_DECREF(value);
+    }
+    if (ok && guard->watched != NULL) {
+        ok = watched_count(dict, guard->watched) == n;
     }
     if (ok) {
         /* Everything the capture read is as it was: remember the version read before

@@ -6,12 +6,17 @@
  * item of a list attribute, an attribute of a config object) is recorded by the Python
  * side (nnscaler_eval/state_guards.py) as one of these guards:
  *
- *   VG_DICT      (0, dict, keys, expected, missing[, owner]): the dict's version is snapshotted;
+ *   VG_DICT      (0, dict, keys, expected, missing[, owner[, watched]]): the dict's
+ *                version is snapshotted;
  *                while it does not move, the guard holds at the cost of one load.  When
  *                it moved, the recorded keys are re-read and compared (`missing` stands
  *                for "absent"); if all still match, the new version is remembered, so an
  *                unrelated write (a counter, `train()`) costs one re-validation, not a
  *                recapture.  Module __dict__s, objects' __dict__s, class dicts, globals.
+ *                With `watched` (a frozenset of the names captured code can read), a
+ *                re-validation also fails when a watched name the dict did not hold
+ *                was added (it would shadow a class attribute, say); `keys` then
+ *                lists only the watched names it held.
  *                With `owner` (the object whose __dict__ it is), the owner is held
  *                weakly and its __dict__ looked up on each check (the guard holds
  *                neither: a module's __dict__ leads back to the module).
@@ -60,6 +65,8 @@ typedef struct {
     PyObject *keys;       /* owned tuple (VG_DICT) or NULL */
     PyObject *expected;   /* owned tuple: expected values or fields, or NULL (VG_CALL) */
     PyObject *missing;    /* owned (VG_DICT): the object that stands for "absent" */
+    PyObject *watched;    /* owned frozenset (VG_DICT) or NULL: names whose addition
+                             invalidates */
     PyObject *dict;       /* VG_DICT: the dict (== target, or borrowed from the owner:
                              compared by address only, never dereferenced unchecked) */
     char *weak;           /* per expected item: 1 when held as a weakref */

@@ -209,6 +209,15 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         return RUN_EAGERLY, None
 
     first = 1 if self is not None else 0
+    early = (tracer.input_fallback(fn, slots[first:], slot_names[first:])
+             or _mutated_before(code, slot_names[first:], slots[first:]))
+    if early is not None:
+        # Known before running: record the fallback without a traced run (a KV cache
+        # is a new object per generate() call; each would otherwise cost a trace).
+        if config.fullgraph:
+            raise tracer.GraphBreakError(early)
+        skipped = tracer.Capture(None, None, early, [], [], [], [], slot_names)
+        return RUN_EAGERLY, _make_entry(config, skipped, code, self, key, where)
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
@@ -216,8 +225,12 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     with recorder, compile_safe_paths():
         capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
                                  call=slot_call(fn, code, slots))
-    found = walk_state(capture, self, recorder, fn, arguments)
+    # The state walk serves value guards, which only entries with a graph get.
+    found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
+             else state_guards.StateGuardSet())
     unsound = _unreplayable(capture, recorder, mutable, found, self)
+    if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
+        _remember_mutated_types(code, arguments)
     if unsound is not None:
         if config.fullgraph:
             raise tracer.GraphBreakError(tracer.Fallback(unsound, *_forward_line(code)))
@@ -225,7 +238,8 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
             capture.fallback = tracer.Fallback(unsound, *_forward_line(code))
             capture.graph_module = None
             capture.runner_spec = None
-    if capture.fallback is not None and capture.fallback.reason.startswith(_NOT_CACHED):
+    if capture.fallback is not None and capture.fallback.reason.startswith(
+            (_NOT_CACHED, _NOT_CACHED_RECORD)):
         # Caching this capture's fallback would send later, ordinary calls with the
         # same key to eager for good: keep nothing, the next call captures again.
         logs.fallbacks.debug("%s not cached: %s", where, capture.fallback)
@@ -245,10 +259,38 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
 
 
 _NOT_CACHED = "an input tensor is also"
+_NOT_CACHED_RECORD = "the code that ran could not be recorded"
 
 
 def _forward_line(code: Any) -> tuple[str, int]:
     return code.co_filename, code.co_firstlineno
+
+
+_SIDE_EFFECT_ON_ARGUMENT = "side effect on an argument"
+# code -> argument object types this forward was seen to mutate (an HF KV cache filled
+# in place): later calls with such an argument fall back before tracing, not after.
+_mutated_types: "weakref.WeakKeyDictionary[Any, set[type]]" = weakref.WeakKeyDictionary()
+
+
+def _remember_mutated_types(code: Any, arguments: list[tuple[str, Any]]) -> None:
+    types_seen = _mutated_types.setdefault(code, set())
+    for _name, value in arguments:
+        for obj in state_guards.identity_keyed(value):
+            types_seen.add(type(obj))
+
+
+def _mutated_before(code: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+    from nnscaler_eval import tracer
+    known = _mutated_types.get(code)
+    if not known:
+        return None
+    for name, value in zip(names, values):
+        for obj in state_guards.identity_keyed(value):
+            if type(obj) in known:
+                return tracer.Fallback(
+                    f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed a {type(obj).__name__} "
+                    f"passed as {name!r} before (not replayed)", *_forward_line(code))
+    return None
 
 
 def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
@@ -261,9 +303,11 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
     apart on the next call."""
     if capture.fallback is not None:
         return None
+    if not recorder.complete:
+        return f"{_NOT_CACHED_RECORD} (out of memory while recording it)"
     changed = state_guards.mutated_arguments(mutable)
     if changed is not None:
-        return f"side effect on an argument: the forward changed {changed}"
+        return f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed {changed}"
     written = recorder.global_writes()
     if written:
         return f"side effect on globals: the forward wrote global {written[0]!r}"

@@ -6,7 +6,7 @@ forward could have read is guarded, and a change recaptures.  What "could have r
 means, concretely:
 
 - the code objects that ran during the capture are recorded (`CodeRecorder`, a
-  profile function on the capturing thread); the names they can look up as
+  evaluator notes them on the capturing thread); the names they can look up as
   attributes or globals are their `co_names` (plus identifier-like string constants,
   for `getattr(self, "name")`).  That set filters every namespace below, so a write to
   an attribute no captured code names costs one re-validation, never a recapture;
@@ -14,8 +14,8 @@ means, concretely:
   own settings included: `Dropout.p`, `LayerNorm.eps`), of every object reached from
   them, from the globals those names select, and from the arguments (config objects
   passed in), with the class dicts along the MRO for class attributes; the globals
-  dict of each function that ran; closure cells and the code/defaults of functions
-  reached; the items of lists and dicts reached.  Guarded as `(dict, keys, values)`
+  dict of each function that ran; closure cells of the functions that ran, and the
+  code/defaults of functions reached; the items of lists and dicts reached.  Guarded as `(dict, keys, values)`
   with the dict's version: cheap while nothing moves, re-validated when it does;
 - tensor metadata of parameters, buffers and constants, when the trace asked any
   tensor for metadata (a dtype or shape baked into the graph may come from them);
@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
+from nnscaler_eval import _C
 from nnscaler_eval.tracer import _is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
@@ -55,6 +56,7 @@ _CO_NEWLOCALS = 0x2
 MAX_OBJECTS = 4096
 
 _OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_TORCH_NN_DIR = os.path.join("torch", "nn", "")
 
 # Values that carry no state of their own (compared by value or immortal).
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -87,68 +89,73 @@ def _names_of(code: types.CodeType) -> Iterable[str]:
 
 
 class CodeRecorder:
-    """Records the code objects that run on this thread while it is active.
+    """Records the functions that run on this thread while it is active.
 
-    A profile function (chained to one already set); it sees every Python frame,
-    including the rewritten ones our evaluator runs and torch layers' forwards.
-    Each globals dict is snapshotted when first met, so writes to it during the
-    capture can be found afterwards.
+    The frame evaluator notes each frame's function (csrc/frame_record.c): it sees
+    every Python frame of the capture, the rewritten ones our evaluator runs and torch
+    layers' forwards included, and it leaves the user's profiler (cProfile) alone.
     """
 
     def __init__(self) -> None:
+        self.functions: list[types.FunctionType] = []
         self.codes: dict[int, types.CodeType] = {}
-        # id(globals) -> (globals, names read through it, snapshot at first sight)
-        self.globals: dict[int, tuple[dict, set[str], dict]] = {}
-        self._previous: Optional[Callable[..., Any]] = None
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            code = frame.f_code
-            if id(code) not in self.codes:
-                self.codes[id(code)] = code
-                # Function frames only: a module body run meanwhile (a lazy import)
-                # fills its own globals, which is no write by the forward.
-                if code.co_flags & _CO_NEWLOCALS and not _is_library_file(code.co_filename):
-                    scope = frame.f_globals
-                    entry = self.globals.get(id(scope))
-                    if entry is None:
-                        entry = self.globals[id(scope)] = (scope, set(), dict(scope))
-                    entry[1].update(code.co_names)
-        previous = self._previous
-        if previous is not None:
-            previous(frame, event, arg)
+        # id(globals) -> (globals, names user code can read through it)
+        self.globals: dict[int, tuple[dict, set[str]]] = {}
+        self.complete = True
+        self._token: Any = None
 
     def __enter__(self) -> "CodeRecorder":
-        self._previous = sys.getprofile()
-        sys.setprofile(self._profile)
+        self._token = _C.record_functions_start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.setprofile(self._previous)
+        functions, complete = _C.record_functions_stop(self._token)
+        self._token = None
+        self.complete = bool(complete)
+        for fn in functions:
+            if not isinstance(fn, types.FunctionType):
+                continue
+            self.functions.append(fn)
+            code = fn.__code__
+            self.codes.setdefault(id(code), code)
+            if not _is_library_file(code.co_filename):
+                scope = fn.__globals__
+                entry = self.globals.setdefault(id(scope), (scope, set()))
+                entry[1].update(code.co_names)
 
     def names(self) -> set[str]:
+        """Names the code that ran can look up on user state: the user's code, installed
+        packages, and torch.nn (layers read their own settings); not the rest of
+        torch or our own code, which read no user attributes by name."""
         names: set[str] = set()
         for code in self.codes.values():
-            if not code.co_filename.startswith(_OWN_DIR):
-                names.update(_names_of(code))
+            filename = code.co_filename
+            if filename.startswith(_OWN_DIR) or (
+                    _is_library_file(filename) and _TORCH_NN_DIR not in filename):
+                continue
+            names.update(_names_of(code))
         return names
 
+    def user_functions(self) -> list[types.FunctionType]:
+        """Functions of the user's code that ran and existed before the call (not the
+        lambdas and nested functions the forward itself created)."""
+        nested = {id(const) for code in self.codes.values() for const in code.co_consts
+                  if isinstance(const, types.CodeType)}
+        return [fn for fn in self.functions
+                if not _is_library_file(fn.__code__.co_filename)
+                and id(fn.__code__) not in nested]
+
     def global_writes(self) -> list[str]:
-        """Globals the captured code rebound or deleted: names that code which ran
-        stores with STORE_GLOBAL / DELETE_GLOBAL, compared with the snapshot its
-        globals dict got when first met."""
-        written = []
+        """Globals the user's code that ran can rebind or delete (STORE_GLOBAL /
+        DELETE_GLOBAL in a function that ran: conservative, a conditional write counts)."""
+        written: set[str] = set()
         for code in self.codes.values():
-            names = _stored_globals(code)
-            # The user's code only: installed packages (sympy, ...) cache lazily into
-            # their own globals, which changes no result of the forward.
-            if not names or _is_library_file(code.co_filename) or _is_installed(code):
+            # Installed packages (sympy, ...) cache lazily into their own globals,
+            # which changes no result of the forward.
+            if _is_library_file(code.co_filename) or _is_installed(code):
                 continue
-            for scope, _names, before in self.globals.values():
-                if code.co_names and any(n in scope or n in before for n in names):
-                    written += [n for n in names
-                                if scope.get(n, MISSING) is not before.get(n, MISSING)]
-        return sorted(set(written))
+            written.update(_stored_globals(code))
+        return sorted(written)
 
 
 _GLOBAL_STORES = {dis.opmap["STORE_GLOBAL"], dis.opmap["DELETE_GLOBAL"]}
@@ -184,6 +191,8 @@ class _StateWalk:
 
     def __init__(self, names: set[str], labels: dict[int, str]) -> None:
         self.names = names
+        self.watched = frozenset(names)
+        self._watched_sets: dict[frozenset, frozenset] = {frozenset(): self.watched}
         self.labels = labels
         self.out = StateGuardSet()
         self._seen: set[int] = set()
@@ -192,6 +201,12 @@ class _StateWalk:
 
     def _label(self, obj: Any, fallback: str) -> str:
         return self.labels.get(id(obj), fallback)
+
+    def _watched_without(self, skipped: frozenset) -> frozenset:
+        found = self._watched_sets.get(skipped)
+        if found is None:
+            found = self._watched_sets[skipped] = self.watched - skipped
+        return found
 
     def guard_namespace(self, namespace: dict, label: str, depth: int,
                         names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
@@ -204,16 +219,21 @@ class _StateWalk:
             return
         self._dicts.add(id(namespace))
         skipped = set(skip)
+        watched: Optional[frozenset] = None
         if names is None:
-            keys = tuple(k for k in sorted(self.names) if k not in skipped)
+            # the watched names it holds; the addition of another one is caught by the
+            # watched set (keys absent now need no entry of their own)
+            keys = tuple(k for k in namespace if isinstance(k, str) and k in self.names
+                         and k not in skipped)
+            watched = self._watched_without(frozenset(skipped))
         else:
             keys = tuple(k for k in names if k not in skipped)
-        if not keys:
-            return
+            if not keys:
+                return
         values = tuple(namespace.get(k, MISSING) for k in keys)
         present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
         # With its owner, the guard holds the owner weakly and the dict not at all.
-        self.out.add((VG_DICT, namespace, keys, values, MISSING, owner),
+        self.out.add((VG_DICT, namespace, keys, values, MISSING, owner, watched),
                      f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
                      f"{', ...' if len(present) > 6 else ''})")
         for key, value in present:
@@ -328,7 +348,9 @@ def build_state_value_guards(
         walk.visit(module, walk._label(module, type(module).__name__), 0)
     if fn is not None and getattr(fn, "__closure__", None):
         walk.guard_cells(fn, getattr(fn, "__qualname__", "forward"), 0)
-    for scope, names, _before in list(recorder.globals.values()):
+    for user_fn in recorder.user_functions():
+        walk.guard_cells(user_fn, user_fn.__qualname__, 0)
+    for scope, names in list(recorder.globals.values()):
         module_name = scope.get("__name__", "?")
         walk.guard_namespace(scope, f"globals of {module_name}", 0, names=set(names))
     for name, value in arguments:

@@ -540,6 +540,30 @@ def _holds_tensor(obj: Any, depth: int = 0, seen: Optional[set[int]] = None) -> 
     return any(_holds_tensor(item, depth + 1, seen) for item in list(items))
 
 
+def _hidden_tensors(leaf: Any) -> bool:
+    """A pytree leaf that carries tensors the graph could not take as inputs."""
+    return (not isinstance(leaf, (torch.Tensor, *_LITERAL_TYPES, nn.Module))
+            and _holds_tensor(leaf))
+
+
+def _hidden_tensors_reason(slot_name: str, leaf: Any) -> str:
+    return (f"input {slot_name!r} holds tensors inside a {type(leaf).__name__}, which is "
+            "not a pytree container (register it with torch.utils._pytree)")
+
+
+def input_fallback(fn: Callable[..., Any], slots: tuple[Any, ...],
+                   slot_names: tuple[str, ...]) -> Optional[Fallback]:
+    """Why these arguments cannot be graph inputs (tensors inside non-pytree objects,
+    such as an HF KV cache), found before anything runs; None when they can."""
+    for slot, slot_name in zip(slots, slot_names):
+        for leaf in pytree.tree_leaves(slot):
+            if _hidden_tensors(leaf):
+                code = getattr(fn, "__code__", None)
+                where = (code.co_filename, code.co_firstlineno) if code else ("<unknown>", 0)
+                return Fallback(_hidden_tensors_reason(slot_name, leaf), *where)
+    return None
+
+
 def _has_call_hooks(module: nn.Module) -> bool:
     """Would `nn.Module._call_impl` run any hook for this module?"""
     return bool(
@@ -866,12 +890,9 @@ class Tracer(TorchFunctionMode):
                     self._example_inputs.append(leaf)
                     if id(leaf) not in self._tensor_nodes:
                         self._map(leaf, node)
-                elif not isinstance(leaf, (*_LITERAL_TYPES, nn.Module)) and _holds_tensor(leaf):
-                    self.graph_break(
-                        f"input {slot_name!r} holds tensors inside a {type(leaf).__name__}, "
-                        "which is not a pytree container (register it with torch.utils._pytree)",
-                        location=self._forward_location(),
-                    )
+                elif _hidden_tensors(leaf):
+                    self.graph_break(_hidden_tensors_reason(slot_name, leaf),
+                                     location=self._forward_location())
                     return
         # Flags for the whole tree, not only for the modules called: a parent may read
         # a child's flag (`if self.block.training:`) without calling it.

@@ -1,0 +1,58 @@
+/* frame_record.c - the functions that ran on this thread during a capture. */
+#include "frame_record.h"
+
+_Thread_local PyObject *frame_record_set;
+
+/* Set when an insertion failed: the record is incomplete. */
+static _Thread_local int frame_record_incomplete;
+
+void
+frame_record_note(NnsFrame *frame)
+{
+    PyObject *func = nns_frame_function(frame);
+    PyObject *set = frame_record_set;
+    if (func == NULL || set == NULL) {
+        return;
+    }
+    Py_INCREF(set);   /* a finalizer run by GC during PySet_Add may stop recording */
+    if (PySet_Add(set, func) < 0) {
+        PyErr_Clear();
+        frame_record_incomplete = 1;
+    }
+    Py_DECREF(set);
+}
+
+PyObject *
+frame_record_start(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
+{
+    PyObject *set = PySet_New(NULL);
+    if (set == NULL) {
+        return NULL;
+    }
+    PyObject *previous = frame_record_set;   /* ownership moves to the caller */
+    frame_record_set = set;
+    frame_record_incomplete = 0;
+    return previous != NULL ? previous : Py_NewRef(Py_None);
+}
+
+PyObject *
+frame_record_stop(PyObject *Py_UNUSED(module), PyObject *previous)
+{
+    PyObject *set = frame_record_set;   /* owned by the slot */
+    if (previous != Py_None && !PySet_Check(previous)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "record_functions_stop(previous): previous must be what "
+                        "record_functions_start returned");
+        return NULL;
+    }
+    frame_record_set = previous != Py_None ? Py_NewRef(previous) : NULL;
+    if (set == NULL) {
+        set = PySet_New(NULL);
+        if (set == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *result = Py_BuildValue("(Ni)", set, !frame_record_incomplete);
+    frame_record_incomplete = 0;
+    return result;
+}
