@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nnscaler_eval import _C, logs
+from nnscaler_eval import _C, logs, trace_state
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import build_state_guards, describe_key
@@ -120,7 +120,7 @@ def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None
 
 
 def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
-    if len(bucket.entries) < config.cache_size_limit:
+    if trace_state.entries_with_in_flight(bucket) < config.cache_size_limit:
         return False
     if not bucket.limit_warned:
         bucket.limit_warned = 1
@@ -173,13 +173,26 @@ def _compile_runner(config: Any, capture: Any, code: Any,
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any) -> tuple[Any, Any]:
-    from nnscaler_eval import tracer
-
     if isinstance(self, torch.fx.GraphModule):
         # Already a graph (a backend running or tracing its compiled graph): never
         # captured again, and not looked at again either.
         _C.mark_skip(code)
         return RUN_EAGERLY, None
+    # One capture at a time, process-wide (trace_state): a miss while another thread
+    # captures runs eagerly, uncached. Released in a `finally`, retried if interrupted.
+    depth = trace_state.capture_depth()
+    try:
+        if not trace_state.try_enter_capture():
+            return RUN_EAGERLY, None
+        return _convert_frame_locked(config, fn, code, self, slots, bucket)
+    finally:
+        trace_state.run_to_completion(trace_state.leave_capture, depth)
+
+
+def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+                          slots: tuple, bucket: Any) -> tuple[Any, Any]:
+    from nnscaler_eval import tracer
+
     known_codes.add(code)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
@@ -207,7 +220,7 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
                      "this call's result is kept and the next call captures again")
         return capture.result, None
-    return capture.result, entry
+    return trace_state.in_flight_reply(bucket, capture.result, entry)
 
 
 def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],

@@ -70,7 +70,7 @@ from nnscaler_eval.codegen import (
     SlotOutput,
 )
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.trace_state import set_current_tracer
+from nnscaler_eval.trace_state import current_tracer, run_to_completion, set_current_tracer
 from nnscaler_eval.tracked_values import (
     TrackedFloat,
     TrackedInt,
@@ -754,8 +754,11 @@ class Tracer(TorchFunctionMode):
             for name, buffer in root.named_buffers(remove_duplicate=False):
                 self._param_paths.setdefault(id(buffer), name)
 
-        # Training flags: id(module) -> (module, original value, flag).
+        # Training flags: id(module) -> (module, original value, flag). `_live` holds
+        # those `module.training` answers with on this thread now (trace_patches'
+        # descriptor asks read_training); module `__dict__`s keep their real bools.
         self._swapped: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
+        self._live: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
         self._flag_nodes: dict[int, fx.Node] = {}
         self._training_inputs: list[nn.Module] = []
         self._branched: dict[int, tuple[nn.Module, bool]] = {}
@@ -804,36 +807,64 @@ class Tracer(TorchFunctionMode):
         leak into code that is not being recorded.
         """
         self._suspended += 1
-        restored = []
+        hidden = {}
         for module in modules:
-            entry = self._swapped.get(id(module))
-            if entry is not None and module.__dict__.get("training") is entry[2]:
-                module.__dict__["training"] = entry[1]
-                restored.append(entry)
+            entry = self._live.pop(id(module), None)
+            if entry is not None:
+                hidden[id(module)] = entry
         try:
             yield
         finally:
-            for module, original, flag in restored:
-                if module.__dict__.get("training") is original and self.fallback is None:
-                    module.__dict__["training"] = flag
+            if self.fallback is None:
+                self._live.update(hidden)
             self._suspended -= 1
 
     # -- the run -----------------------------------------------------------------
 
     def run(self, call: Callable[[], Any]) -> Capture:
-        previous = set_current_tracer(self)
-        trace_patches.install()
+        """Trace `call()` once; the process is as before afterwards, however it ends.
+
+        An asynchronous exception (KeyboardInterrupt from a signal handler) may land
+        between any two bytecodes, in here, in the patches, in the user's forward or in
+        a `finally`. So every step that changes process state is undone by one
+        idempotent `_leave()`, run in the outer `finally` and run again if an interrupt
+        lands inside it: no patch, no current tracer, no mode of ours on the torch
+        function stack, nothing of the trace pinned.
+        """
+        previous = current_tracer()
+        mode_depth = torch._C._len_torch_function_stack()
+        lazy_flag = _lazy_graph_module._use_lazy_graph_module_flag
         try:
+            set_current_tracer(self)
+            trace_patches.install(self)
             self._prepare()
             with self:
                 result = call()
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
+            self._leave(previous, mode_depth)
+            return self._make_capture(result, layout)
         finally:
-            self._restore_training()
-            trace_patches.uninstall()
+            run_to_completion(self._leave, previous, mode_depth, lazy_flag, True)
+
+    def _leave(
+        self, previous: Any, mode_depth: int, lazy_flag: Any = None, final: bool = False
+    ) -> None:
+        """Undo what run() did to the process; each step idempotent."""
+        self._restore_training()
+        trace_patches.uninstall(self)
+        # Modes pushed above run()'s entry depth (ours, or one an interrupt left):
+        # an interrupted `with self:` or `_pop_mode_temporarily()` can leave them.
+        while torch._C._len_torch_function_stack() > mode_depth:
+            torch._C._pop_torch_function_stack()
+        if current_tracer() is self:
             set_current_tracer(previous)
-        return self._make_capture(result, layout)
+        if lazy_flag is not None:
+            _lazy_graph_module._use_lazy_graph_module_flag = lazy_flag
+        if final:
+            # An exception's traceback may keep this tracer alive: not its tensors.
+            self._tensor_nodes.clear()
+            self._keepalive.clear()
 
     def _prepare(self) -> None:
         # Placeholders: every tensor leaf of the slots.
@@ -868,6 +899,8 @@ class Tracer(TorchFunctionMode):
         return code.co_filename, code.co_firstlineno
 
     def _swap_training(self, module: nn.Module) -> None:
+        """From now on `module.training` reads as a TrainingFlag on this thread only
+        (trace_patches' descriptor asks read_training); its `__dict__` is untouched."""
         if id(module) in self._swapped or self.fallback is not None:
             return
         current = module.__dict__.get("training", _MISSING)
@@ -875,13 +908,26 @@ class Tracer(TorchFunctionMode):
             return
         value = current.value if isinstance(current, TrainingFlag) else bool(current)
         flag = TrainingFlag(value, module, self)
-        self._swapped[id(module)] = (module, current, flag)
-        module.__dict__["training"] = flag
+        entry = (module, current, flag)
+        self._swapped[id(module)] = entry
+        if trace_patches.training_is_ours(module):
+            self._live[id(module)] = entry
+        else:
+            # A class of it defines `training` itself, shadowing the descriptor: reads
+            # cannot be told apart from branches, so the graph is valid for this value.
+            self.note_branch(module, value)
+
+    def read_training(self, module: nn.Module, value: Any) -> Any:
+        """`module.training` on this thread (trace_patches' descriptor): its flag while
+        this trace records it, else `value`, the real `__dict__` entry."""
+        entry = self._live.get(id(module))
+        if entry is None or entry[0] is not module or entry[1] is not value:
+            return value  # not ours, hidden (suspended), or written since the swap
+        return entry[2]
 
     def _restore_training(self) -> None:
-        for module, original, flag in self._swapped.values():
-            if module.__dict__.get("training") is flag:
-                module.__dict__["training"] = original
+        # One C-level operation: an interrupt cannot leave it half done.
+        self._live.clear()
 
     def _visit(self, module: nn.Module) -> None:
         if id(module) in self._visited:
