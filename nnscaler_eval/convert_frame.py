@@ -220,6 +220,11 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
         warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
                      "this call's result is kept and the next call captures again")
         return capture.result, None
+    unchanged = getattr(capture, "state_unchanged", None)
+    if unchanged is not None and not unchanged():
+        # Another thread changed hooks or the module tree during this capture: the
+        # entry's guard versions were taken after the change. Not cached.
+        return capture.result, None
     return trace_state.in_flight_reply(bucket, capture.result, entry)
 
 

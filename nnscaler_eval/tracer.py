@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from nnscaler_eval import _C, codegen, trace_patches
+from nnscaler_eval._install import global_hook_items
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.codegen import (
     ConstantOutput,
@@ -676,6 +677,11 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
+def _global_hook_state() -> tuple[Any, ...]:
+    """The global module hooks, by identity (a change means another graph)."""
+    return tuple(tuple(d.items()) for _, d in global_hook_items())
+
+
 def _same_state(
     before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]
 ) -> Optional[str]:
@@ -834,6 +840,7 @@ class Tracer(TorchFunctionMode):
         previous = current_tracer()
         mode_depth = torch._C._len_torch_function_stack()
         lazy_flag = _lazy_graph_module._use_lazy_graph_module_flag
+        global_hooks = _global_hook_state()
         try:
             set_current_tracer(self)
             trace_patches.install(self)
@@ -843,9 +850,35 @@ class Tracer(TorchFunctionMode):
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
             self._leave(previous, mode_depth)
-            return self._make_capture(result, layout)
+            capture = self._make_capture(result, layout)
+            capture.state_unchanged = self._unchanged_check(global_hooks)  # type: ignore[attr-defined]
+            return capture
         finally:
             run_to_completion(self._leave, previous, mode_depth, lazy_flag, True)
+
+    def _unchanged_check(self, global_hooks: Any) -> Callable[[], bool]:
+        """A check that the modules the trace went through, and the global hooks, are
+        still as the trace saw them (hooks, the module tree, attributes).
+
+        Another thread may change them while this one captures; the C entry snapshots
+        its guarded dicts' versions only when convert_frame builds it, after the trace.
+        convert_frame calls this once the entry exists: a change in between makes the
+        entry wrong yet valid by its versions, so it is dropped (the call's result
+        stands; the next call captures again).
+        """
+        visited, snapshots = dict(self._visited), dict(self._snapshots)
+        inside_opaque = {id(m) for o in self._opaque.values() for m in o.modules()}
+
+        def unchanged() -> bool:
+            if _global_hook_state() != global_hooks:
+                return False
+            return all(
+                _same_state(snapshots[key], _module_state(module)) is None
+                for key, module in visited.items()
+                if key not in inside_opaque
+            )
+
+        return unchanged
 
     def _leave(
         self, previous: Any, mode_depth: int, lazy_flag: Any = None, final: bool = False
