@@ -179,11 +179,12 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         _C.mark_skip(code)
         return RUN_EAGERLY, None
     # One capture at a time, process-wide (trace_state): a miss while another thread
-    # captures runs eagerly, uncached. Released in a `finally`, retried if interrupted.
+    # captures runs as in eager, callees included (not captured one by one either),
+    # uncached. Released in a `finally`, retried if interrupted.
     depth = trace_state.capture_depth()
     try:
         if not trace_state.try_enter_capture():
-            return RUN_EAGERLY, None
+            return RUN_DISARMED, None
         return _convert_frame_locked(config, fn, code, self, slots, bucket)
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)

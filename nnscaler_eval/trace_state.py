@@ -2,6 +2,10 @@
 
 Functions that must show up as single graph nodes (`ifexpr`, ops registered with
 `register_op`, submodules with hooks) ask `current_tracer()` and hand themselves to it.
+
+Also the process-wide state of capturing: `run_to_completion` for restores that an
+interrupt must not cut short, and the capture lock with the cache-limit accounting of
+entries on their way to C (used by convert_frame).
 """
 from __future__ import annotations
 
@@ -48,8 +52,8 @@ def run_to_completion(fn: Callable[..., None], *args: Any, attempts: int = 8) ->
 # Captures from the frame evaluator run one at a time, process-wide, so that the
 # cache_size_limit check and the entry it lets in are counted together, and so that
 # two threads never trace the same shared modules at once. A thread that misses while
-# another one captures does not wait: it runs that call eagerly (uncached; the next
-# miss tries again). Waiting would deadlock whenever the capturing forward waits for
+# another one captures does not wait: it runs that call as in eager, its callees too
+# (uncached, counted as a fallback; its next miss tries again). Waiting would deadlock whenever the capturing forward waits for
 # a thread that itself calls a compiled module (DataParallel-style workers, a queue
 # served by another thread). An RLock: a capture that reaches a nested capture on its
 # own thread goes on.

@@ -132,9 +132,10 @@ class Capture:
       checkpointing is inlined (same values and gradients, not its memory savings);
     - module state mutated inside a list/dict attribute is caught one level deep only;
       tensors hidden in non-pytree input objects are refused (fallback), not traced;
-      `random`, `time`, logging and other Python-level effects are baked in or lost;
-    - sharing the *same module instances* with an eager thread while they are being
-      traced is not supported (their `training` attribute is a flag for that time).
+      `random`, `time`, logging and other Python-level effects are baked in or lost.
+
+    Threads: `module.training` is a flag on the tracing thread only (trace_patches'
+    descriptor); other threads using the same modules meanwhile see their bools.
     """
 
     result: Any
@@ -677,6 +678,12 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
+def _pop_modes_to(depth: int) -> None:
+    """Pop torch function modes until `depth` are left (idempotent)."""
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
 def _global_hook_state() -> tuple[Any, ...]:
     """The global module hooks, by identity (a change means another graph)."""
     return tuple(tuple(d.items()) for _, d in global_hook_items())
@@ -845,8 +852,14 @@ class Tracer(TorchFunctionMode):
             set_current_tracer(self)
             trace_patches.install(self)
             self._prepare()
-            with self:
+            # `with self:`, except that leaving pops down to the entry depth: an
+            # interrupt inside `_pop_mode_temporarily` can leave our mode popped
+            # already, and a plain pop would then fail or pop somebody else's.
+            torch._C._push_on_torch_function_stack(self)
+            try:
                 result = call()
+            finally:
+                _pop_modes_to(mode_depth)
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
             self._leave(previous, mode_depth)
@@ -886,10 +899,8 @@ class Tracer(TorchFunctionMode):
         """Undo what run() did to the process; each step idempotent."""
         self._restore_training()
         trace_patches.uninstall(self)
-        # Modes pushed above run()'s entry depth (ours, or one an interrupt left):
-        # an interrupted `with self:` or `_pop_mode_temporarily()` can leave them.
-        while torch._C._len_torch_function_stack() > mode_depth:
-            torch._C._pop_torch_function_stack()
+        # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
+        _pop_modes_to(mode_depth)
         if current_tracer() is self:
             set_current_tracer(previous)
         if lazy_flag is not None:

@@ -136,6 +136,7 @@ def _child(calls: int, seed: int) -> dict:
     signal.signal(signal.SIGALRM, on_alarm)
     failures = []
     interrupted = 0
+    masked: collections.Counter = collections.Counter()
     for i in range(calls):
         model = Model()
         model.train(i % 2 == 0)
@@ -150,8 +151,18 @@ def _child(calls: int, seed: int) -> dict:
                 model(x)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            # The interrupt, or an error torch raised while unwinding from it (its
+            # own context managers are not interrupt-safe): never anything else.
+            cause = exc
+            while cause is not None and not isinstance(cause, KeyboardInterrupt):
+                cause = cause.__context__
+            if cause is None:
+                raise
             interrupted += 1
+            if cause is not exc:
+                masked[type(exc).__name__] += 1
+            cause = None  # its traceback holds the interrupted frames
         found = problems(model)
         if found:
             failures.append(f"call {i} (delay {delay * 1e3:.2f} ms): {found}")
@@ -192,6 +203,7 @@ def _child(calls: int, seed: int) -> dict:
         "failures": failures,
         "interrupted": interrupted,
         "landed": dict(landed),
+        "masked": dict(masked),
         "tracers_alive": tracers,
         "flags_in_dicts": flags,
         "fresh_ok": bool(fresh_ok),
