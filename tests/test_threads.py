@@ -182,6 +182,39 @@ def test_a_thread_missing_while_another_captures_runs_eagerly_and_correctly():
     assert nnscaler.cache_info(net).captures == 2
 
 
+def test_cache_limit_counts_entries_still_on_their_way_to_c():
+    """C inserts an entry after convert_frame returned, outside the capture lock; a
+    capture on another thread in between must count it (here: a reply not yet
+    consumed, as C holds it meanwhile)."""
+    from nnscaler_eval._install import RUN_DISARMED
+    from nnscaler_eval.config import CompileConfig
+    from nnscaler_eval.convert_frame import convert_frame
+
+    class Bucket:  # what convert_frame reads of C's bucket
+        def __init__(self, n: int) -> None:
+            self.entries = [object() for _ in range(n)]
+            self.limit_warned = 1  # the limit warning is not what this test is about
+
+    limit = 3
+    config = CompileConfig.create(cache_size_limit=limit)
+    net = Net().eval()
+    forward = type(net).forward
+    bucket = Bucket(limit - 1)
+
+    def miss(n: int):
+        x = torch.randn(n, 8)
+        return convert_frame(config, forward, forward.__code__, net, (net, x), bucket)
+
+    first = miss(1)
+    assert first[1] is not None  # an entry, not inserted yet
+    second = miss(2)  # limit - 1 inserted + 1 in flight: the limit is reached
+    assert second[0] is RUN_DISARMED and second[1] is None
+    del first  # C dropped the reply without inserting
+    third = miss(3)
+    assert third[1] is not None
+    del third
+
+
 # ---------------------------------------------------------------------------
 # Heavy: 8 threads, one shared compiled model, hooks churning, shapes past the limit
 
