@@ -182,6 +182,33 @@ def test_a_thread_missing_while_another_captures_runs_eagerly_and_correctly():
     assert nnscaler.cache_info(net).captures == 2
 
 
+def test_a_hook_registered_between_the_trace_and_its_entry_is_not_missed():
+    """Another thread may register a hook after the trace saw a module but before the
+    C entry snapshots the hook dicts' versions: that entry must not be cached. The
+    backend runs in exactly that window, so it stands in for the other thread here."""
+    net = Net().eval()
+    net.d_on.eval()
+    ran: list[int] = []
+    handles: list = []
+
+    def backend(gm, example_inputs):
+        if not handles:
+            handles.append(net.fc.register_forward_hook(lambda *args: ran.append(1)))
+        return gm
+
+    compiled = nnscaler.compile(net, backend=backend)
+    x = torch.randn(4, 8)
+    compiled(x)  # traced before the hook existed: its result stands
+    assert ran == []
+    out = compiled(x)  # must run the hook (the first entry was dropped)
+    assert ran == [1]
+    assert torch.allclose(out[1], net.fc(x))
+    assert ran == [1, 1]
+    compiled(x)
+    assert len(ran) == 3
+    handles[0].remove()
+
+
 def test_cache_limit_counts_entries_still_on_their_way_to_c():
     """C inserts an entry after convert_frame returned, outside the capture lock; a
     capture on another thread in between must count it (here: a reply not yet
