@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nnscaler_eval import _C, logs, state_guards
+from nnscaler_eval import _C, logs, state_guards, trace_state
 from nnscaler_eval.compile_awareness import compile_safe_paths
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.fx_source import release_source_with
@@ -133,7 +133,7 @@ def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None
 
 
 def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
-    if len(bucket.entries) < config.cache_size_limit:
+    if trace_state.entries_with_in_flight(bucket) < config.cache_size_limit:
         return False
     if not bucket.limit_warned:
         bucket.limit_warned = 1
@@ -186,13 +186,27 @@ def _compile_runner(config: Any, capture: Any, code: Any,
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any) -> tuple[Any, Any]:
-    from nnscaler_eval import tracer
-
     if isinstance(self, torch.fx.GraphModule):
         # Already a graph (a backend running or tracing its compiled graph): never
         # captured again, and not looked at again either.
         _C.mark_skip(code)
         return RUN_EAGERLY, None
+    # One capture at a time, process-wide (trace_state): a miss while another thread
+    # captures runs as in eager, callees included (not captured one by one either),
+    # uncached. Released in a `finally`, retried if interrupted.
+    depth = trace_state.capture_depth()
+    try:
+        if not trace_state.try_enter_capture():
+            return RUN_DISARMED, None
+        return _convert_frame_locked(config, fn, code, self, slots, bucket)
+    finally:
+        trace_state.run_to_completion(trace_state.leave_capture, depth)
+
+
+def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+                          slots: tuple, bucket: Any) -> tuple[Any, Any]:
+    from nnscaler_eval import tracer
+
     known_codes.add(code)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
@@ -217,7 +231,8 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         if config.fullgraph:
             raise tracer.GraphBreakError(early)
         skipped = tracer.Capture(None, None, early, [], [], [], [], slot_names)
-        return RUN_EAGERLY, _make_entry(config, skipped, code, self, key, where)
+        entry = _make_entry(config, skipped, code, self, key, where)
+        return trace_state.in_flight_reply(bucket, RUN_EAGERLY, entry)
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
@@ -255,7 +270,12 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
                      "this call's result is kept and the next call captures again")
         return capture.result, None
-    return capture.result, entry
+    unchanged = getattr(capture, "state_unchanged", None)
+    if unchanged is not None and not unchanged():
+        # Another thread changed hooks or the module tree during this capture: the
+        # entry's guard versions were taken after the change. Not cached.
+        return capture.result, None
+    return trace_state.in_flight_reply(bucket, capture.result, entry)
 
 
 _NOT_CACHED = "an input tensor is also"

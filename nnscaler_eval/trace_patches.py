@@ -8,9 +8,21 @@ dispatches (`_VF.lstm(..., self.training, ...)` in nn.LSTM, `torch.dropout`,
 `torch.set_grad_enabled(self.training)`): their argument parser rejects a
 `TrainingFlag` (an int) before torch function dispatch could unwrap it.
 
-They are installed only while at least one thread is tracing (reference counted under
-a lock) and every wrapper is a plain pass-through on a thread that is not tracing, so
-an eager thread running beside a trace behaves exactly as it would without it.
+Also `nn.Module.training`: a data descriptor on the class (it wins over the instance
+`__dict__`) through which the tracing thread reads its `TrainingFlag`s; every other
+thread, and every `__dict__` reader, sees the real bool (see `_TrainingAttribute`).
+
+They are installed only while at least one thread is tracing (the set of tracing
+owners, under a lock) and every wrapper is a plain pass-through on a thread that is not
+tracing, so an eager thread running beside a trace behaves exactly as it would
+without it.
+
+Interrupts: a KeyboardInterrupt raised by a signal handler can land between any two
+bytecodes. The originals are read once, at import, into `_Patch` objects, and later
+only from an attribute that does not hold our replacement; each patch goes in and
+comes out with one `setattr`, every mix of patched and unpatched attributes is valid,
+and `uninstall(owner)` is idempotent and repairs a partial install, so the tracer's
+outer `finally` can simply run it again until it completes.
 The wrappers call back into the thread's tracer through a small protocol:
 
     tracer.on_module_call(module, args, kwargs) -> result
@@ -43,14 +55,67 @@ from nnscaler_eval.tracked_values import holds_tracked, plain_value, quiet_plain
 # The real function, for graphs to call (never the shim installed while tracing).
 REAL_SET_GRAD_ENABLED: Callable[[bool], None] = torch._C._set_grad_enabled
 
-_lock = threading.Lock()
-_active_traces = 0
+_MISSING: Any = object()
 
-# The originals, saved when the patches go in; the wrappers call these.
-_original_module_call: Callable[..., Any] = nn.Module.__call__
-_original_module_setattr: Callable[..., None] = nn.Module.__setattr__
-_original_print: Callable[..., None] = builtins.print
-_original_breakpointhook: Callable[..., Any] = sys.breakpointhook
+
+class _Patch:
+    """One attribute that tracing replaces: `owner.name` -> `replacement`.
+
+    `original` is what the attribute held when this module was imported; `saved` is
+    what it held when the patch last went in (the import-time original, or whatever
+    another library put there since). Both are read only from an attribute that does
+    not hold our replacement, so a patch left behind (an interrupt) is never mistaken
+    for an original. Applying and removing are each one `setattr`/`delattr`, idempotent,
+    and valid in any combination: an interrupt between two patches leaves some in and
+    some out, which is harmless (every replacement is a pass-through on a thread that
+    is not tracing) and which the next `uninstall()` repairs.
+    """
+
+    __slots__ = ("owner", "name", "replacement", "original", "saved")
+
+    def __init__(self, owner: Any, name: str, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self.original = self._read()
+        if self.original is replacement:
+            raise RuntimeError(f"nnscaler: {name} is patched at import")
+        self.saved = self.original
+
+    def _read(self) -> Any:
+        if isinstance(self.owner, type):
+            # The class's own attribute, not an inherited one or a descriptor's result.
+            return self.owner.__dict__.get(self.name, _MISSING)
+        return getattr(self.owner, self.name, _MISSING)
+
+    @property
+    def target(self) -> Any:
+        """What the replacement forwards to."""
+        return self.saved
+
+    def apply(self) -> None:
+        current = self._read()
+        if current is self.replacement:
+            return
+        self.saved = current
+        setattr(self.owner, self.name, self.replacement)
+
+    def remove(self) -> None:
+        if self._read() is not self.replacement:
+            return  # never applied, already removed, or replaced by somebody else since
+        if self.saved is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.saved)
+
+    @property
+    def applied(self) -> bool:
+        return self._read() is self.replacement
+
+
+_lock = threading.Lock()
+# The traces running now (any thread): the patches are in while this is not empty.
+_owners: set[int] = set()
 
 
 def _tracing_tracer() -> Optional[Any]:
@@ -67,7 +132,7 @@ def _tracing_tracer() -> Optional[Any]:
 def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is None:
-        return _original_module_call(module, *args, **kwargs)
+        return _MODULE_CALL.saved(module, *args, **kwargs)
     return tracer.on_module_call(module, args, kwargs)
 
 
@@ -75,7 +140,7 @@ def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
     tracer = _tracing_tracer()
     if tracer is not None:
         tracer.on_module_setattr(module, name)
-    _original_module_setattr(module, name, value)
+    _MODULE_SETATTR.saved(module, name, value)
 
 
 def _print(*args: Any, **kwargs: Any) -> None:
@@ -84,14 +149,71 @@ def _print(*args: Any, **kwargs: Any) -> None:
         tracer.on_python_side_effect(
             "print() (a Python side effect that replaying the graph would lose)"
         )
-    _original_print(*args, **kwargs)
+    _PRINT.saved(*args, **kwargs)
 
 
 def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is not None:
         tracer.on_python_side_effect("breakpoint()")
-    return _original_breakpointhook(*args, **kwargs)
+    return _BREAKPOINTHOOK.saved(*args, **kwargs)
+
+
+class _TrainingAttribute:
+    """`nn.Module.training` while some thread traces: a data descriptor on the class,
+    so it wins over the instance `__dict__`, which keeps the real bool throughout.
+
+    On a thread that is not tracing it reads and writes the `__dict__` entry, exactly
+    what plain attribute access does. On the tracing thread it asks the tracer, which
+    answers its `TrainingFlag` for the modules it traces (and the plain value for the
+    others, and for all of them once it stopped recording). A write tells the tracer
+    first (a write to module state; it may raise `GraphBreakError` with fullgraph).
+    Nothing foreign is ever stored in a module, so other threads, the C hit path
+    (which reads `training` to pass flags to runners) and `module.__dict__` readers
+    only ever see bools.
+    """
+
+    __slots__ = ()
+
+    def __get__(self, module: Any, owner: Any = None) -> Any:
+        if module is None:
+            return self
+        try:
+            value = module.__dict__["training"]
+        except KeyError:
+            # As without us: nn.Module.__getattr__ then raises its AttributeError.
+            raise AttributeError("training") from None
+        tracer = current_tracer()
+        if tracer is None or dynamo_is_compiling():
+            return value
+        read = getattr(tracer, "read_training", None)
+        return value if read is None else read(module, value)
+
+    def __set__(self, module: Any, value: Any) -> None:
+        tracer = _tracing_tracer()
+        if tracer is not None:
+            tracer.on_module_setattr(module, "training")
+        module.__dict__["training"] = value
+
+    def __delete__(self, module: Any) -> None:
+        tracer = _tracing_tracer()
+        if tracer is not None:
+            tracer.on_module_setattr(module, "training")
+        try:
+            del module.__dict__["training"]
+        except KeyError:
+            raise AttributeError("training") from None
+
+
+TRAINING_ATTRIBUTE = _TrainingAttribute()
+
+
+def training_is_ours(module: nn.Module) -> bool:
+    """Does `module.training` resolve to our descriptor (no class of it shadows it)?"""
+    for klass in type(module).__mro__:
+        if "training" in klass.__dict__:
+            return klass.__dict__["training"] is TRAINING_ATTRIBUTE
+    return False
 
 
 # C functions with a `train` / `training` bool that torch.nn or user code calls
@@ -118,10 +240,11 @@ _TRAINING_BOOL_FUNCTIONS = (
 )
 
 
-def _flag_aware(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function`, accepting training flags for its bool parameters."""
+def _flag_aware(resolve: Callable[[], Callable[..., Any]], name: str) -> Callable[..., Any]:
+    """A function calling `resolve()`, accepting training flags for its bool parameters."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        function = resolve()
         if not holds_tracked(args, kwargs):
             return function(*args, **kwargs)
         tracer = _tracing_tracer()
@@ -129,7 +252,8 @@ def _flag_aware(function: Callable[..., Any]) -> Callable[..., Any]:
             return tracer.call_with_flags(function, args, kwargs)
         return function(*quiet_plain(args), **quiet_plain(kwargs))
 
-    call.__name__ = getattr(function, "__name__", "call")
+    function = resolve()
+    call.__name__ = getattr(function, "__name__", name)
     call.__qualname__ = getattr(function, "__qualname__", call.__name__)
     call.__wrapped__ = function  # type: ignore[attr-defined]
     return call
@@ -137,7 +261,7 @@ def _flag_aware(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _set_grad_enabled(mode: Any) -> None:
     # Grad mode chosen by a flag is a branch on it: specialise, record it.
-    _original_set_grad_enabled(plain_value(mode))
+    _SET_GRAD_ENABLED.saved(plain_value(mode))
 
 
 _set_grad_enabled.__wrapped__ = REAL_SET_GRAD_ENABLED  # type: ignore[attr-defined]
@@ -177,9 +301,10 @@ def _cond(
     pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], operands: Any = ()
 ) -> Any:
     tracer = current_tracer()
+    cond = _COND.saved if _COND is not None else _original_cond
     if tracer is None or not hasattr(tracer, "trace_cond"):
-        return _original_cond(pred, true_fn, false_fn, operands)
-    return tracer.trace_cond(_original_cond, pred, true_fn, false_fn, operands)
+        return cond(pred, true_fn, false_fn, operands)
+    return tracer.trace_cond(cond, pred, true_fn, false_fn, operands)
 
 
 # TorchScript runs its ops in C++, out of the TorchFunctionMode's sight: a script
@@ -211,7 +336,7 @@ def script_function_target(function: Any) -> Callable[..., Any]:
 def _script_function_call(function: Any, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is None:
-        return _original_script_function_call(function, *args, **kwargs)
+        return _SCRIPT_FUNCTION_CALL.saved(function, *args, **kwargs)
     return tracer.call_opaque(script_function_target(function), args, kwargs)
 
 
@@ -219,140 +344,128 @@ def _script_method_call(method: Any, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is not None:
         tracer.graph_break(f"a TorchScript method ({getattr(method, 'name', '?')}) called directly")
-    return _original_script_method_call(method, *args, **kwargs)
+    return _SCRIPT_METHOD_CALL.saved(method, *args, **kwargs)
 
 
 def _function_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     tracer = _tracing_tracer()
     if tracer is None:
-        return _original_function_apply.__get__(None, cls)(*args, **kwargs)
+        return _FUNCTION_APPLY.saved.__get__(None, cls)(*args, **kwargs)
     return tracer.call_opaque(function_apply_target(cls), args, kwargs)
 
 
 class _FlagAwareVariableFunctions:
     """Stands in for `torch._VF.vf` while tracing: the functions above, wrapped."""
 
-    def __init__(self, functions: Any) -> None:
-        self._functions = functions
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self._resolve = resolve
+        functions = resolve()
         self._wrapped = {
-            name: _flag_aware(getattr(functions, name))
+            name: _flag_aware(lambda name=name: getattr(resolve(), name), name)
             for name in _TRAINING_BOOL_FUNCTIONS
             if hasattr(functions, name)
         }
 
     def __getattr__(self, name: str) -> Any:
         wrapped = self._wrapped.get(name)
-        return wrapped if wrapped is not None else getattr(self._functions, name)
+        return wrapped if wrapped is not None else getattr(self._resolve(), name)
 
 
-_original_set_grad_enabled: Callable[[bool], None] = REAL_SET_GRAD_ENABLED
-_original_torch_functions: dict[str, Any] = {}
-_flag_aware_torch_functions: dict[str, Any] = {}
-_original_vf: Any = None
-_flag_aware_vf: Optional[_FlagAwareVariableFunctions] = None
+# Every patch, made once, at import: the originals are read here and never again from
+# an attribute holding one of our replacements.
+_MODULE_CALL = _Patch(nn.Module, "__call__", _module_call)
+_MODULE_SETATTR = _Patch(nn.Module, "__setattr__", _module_setattr)
+_PRINT = _Patch(builtins, "print", _print)
+_BREAKPOINTHOOK = _Patch(sys, "breakpointhook", _breakpointhook)
+_SET_GRAD_ENABLED = _Patch(torch._C, "_set_grad_enabled", _set_grad_enabled)
+_FUNCTION_APPLY = _Patch(torch.autograd.Function, "apply", classmethod(_function_apply))
+_SCRIPT_FUNCTION_CALL = _Patch(_ScriptFunction, "__call__", _script_function_call)
+_SCRIPT_METHOD_CALL = _Patch(_ScriptMethod, "__call__", _script_method_call)
+_COND: Optional[_Patch] = _Patch(torch, "cond", _cond) if _original_cond is not None else None
+_TRAINING = _Patch(nn.Module, "training", TRAINING_ATTRIBUTE)
 
 
-def _install_flag_shims() -> None:
-    global _original_set_grad_enabled, _original_vf, _flag_aware_vf, _original_function_apply
-    _original_set_grad_enabled = torch._C._set_grad_enabled
-    torch._C._set_grad_enabled = _set_grad_enabled  # type: ignore[assignment]
-    _original_function_apply = torch.autograd.Function.__dict__["apply"]
-    torch.autograd.Function.apply = classmethod(_function_apply)  # type: ignore[method-assign,assignment]
-    global _original_script_function_call, _original_script_method_call
-    _original_script_function_call = _ScriptFunction.__call__
-    _original_script_method_call = _ScriptMethod.__call__
-    _ScriptFunction.__call__ = _script_function_call
-    _ScriptMethod.__call__ = _script_method_call
-    global _original_cond
-    if getattr(torch, "cond", None) is not None:
-        _original_cond = torch.cond
-        torch.cond = _cond
-    for name in _TRAINING_BOOL_FUNCTIONS:
-        original = getattr(torch, name, None)
-        if original is not None:
-            _original_torch_functions[name] = original
-            _flag_aware_torch_functions[name] = _flag_aware(original)
-            setattr(torch, name, _flag_aware_torch_functions[name])
-    vf_module = sys.modules.get("torch._VF")
-    if vf_module is not None and hasattr(vf_module, "vf"):
-        _original_vf = vf_module.vf  # type: ignore[attr-defined]
-        _flag_aware_vf = _FlagAwareVariableFunctions(_original_vf)
-        vf_module.vf = _flag_aware_vf  # type: ignore[attr-defined]
+def _torch_function_patch(name: str) -> _Patch:
+    patch: _Patch
+
+    def resolve() -> Callable[..., Any]:
+        return patch.saved
+
+    patch = _Patch.__new__(_Patch)
+    patch.owner, patch.name = torch, name
+    patch.original = patch.saved = getattr(torch, name)
+    patch.replacement = _flag_aware(resolve, name)
+    return patch
 
 
-def _uninstall_flag_shims() -> None:
-    global _original_vf, _flag_aware_vf
-    if torch._C._set_grad_enabled is _set_grad_enabled:
-        torch._C._set_grad_enabled = _original_set_grad_enabled  # type: ignore[assignment]
-    if getattr(torch, "cond", None) is _cond:
-        torch.cond = _original_cond
-    if _ScriptFunction.__call__ is _script_function_call:
-        _ScriptFunction.__call__ = _original_script_function_call
-    if _ScriptMethod.__call__ is _script_method_call:
-        _ScriptMethod.__call__ = _original_script_method_call
-    apply = torch.autograd.Function.__dict__["apply"]
-    if isinstance(apply, classmethod) and apply.__func__ is _function_apply:
-        torch.autograd.Function.apply = _original_function_apply  # type: ignore[method-assign]
-    for name, original in _original_torch_functions.items():
-        if getattr(torch, name, None) is _flag_aware_torch_functions.get(name):
-            setattr(torch, name, original)
-    _original_torch_functions.clear()
-    _flag_aware_torch_functions.clear()
-    vf_module = sys.modules.get("torch._VF")
-    if (
-        vf_module is not None
-        and _flag_aware_vf is not None
-        and getattr(vf_module, "vf", None) is _flag_aware_vf
-    ):
-        vf_module.vf = _original_vf  # type: ignore[attr-defined]
-    _original_vf = _flag_aware_vf = None
+_TORCH_FUNCTIONS = [_torch_function_patch(n) for n in _TRAINING_BOOL_FUNCTIONS if hasattr(torch, n)]
+_VF_PATCH: Optional[_Patch] = None
+_vf_module = sys.modules.get("torch._VF")  # imported by torch.nn (nn.RNN uses it)
+if _vf_module is not None and hasattr(_vf_module, "vf"):
+    _VF_PATCH = _Patch.__new__(_Patch)
+    _VF_PATCH.owner, _VF_PATCH.name = _vf_module, "vf"
+    _VF_PATCH.original = _VF_PATCH.saved = _vf_module.vf  # type: ignore[attr-defined]
+    _VF_PATCH.replacement = _FlagAwareVariableFunctions(lambda: _VF_PATCH.saved)  # type: ignore[union-attr]
+
+# Order matters for interrupts only in that every prefix is a valid state; removal
+# runs in reverse so that the descriptor, the last in, is the first out.
+_PATCHES: tuple[_Patch, ...] = tuple(
+    p
+    for p in (
+        _MODULE_CALL,
+        _MODULE_SETATTR,
+        _PRINT,
+        _BREAKPOINTHOOK,
+        _SET_GRAD_ENABLED,
+        _FUNCTION_APPLY,
+        _SCRIPT_FUNCTION_CALL,
+        _SCRIPT_METHOD_CALL,
+        _COND,
+        *_TORCH_FUNCTIONS,
+        _VF_PATCH,
+        _TRAINING,
+    )
+    if p is not None
+)
 
 
 def original_module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`nn.Module.__call__` as it was before tracing patched it."""
-    return _original_module_call(module, *args, **kwargs)
+    return _MODULE_CALL.saved(module, *args, **kwargs)
 
 
-def install() -> None:
-    """Enter one trace: patch on the first."""
-    global _active_traces, _original_module_call, _original_module_setattr
-    global _original_print, _original_breakpointhook
-    with _lock:
-        if _active_traces == 0:
-            _original_module_call = nn.Module.__call__
-            _original_module_setattr = nn.Module.__setattr__
-            _original_print = builtins.print
-            _original_breakpointhook = sys.breakpointhook
-            nn.Module.__call__ = _module_call  # type: ignore[method-assign]
-            nn.Module.__setattr__ = _module_setattr  # type: ignore[method-assign,assignment]
-            builtins.print = _print
-            sys.breakpointhook = _breakpointhook
-            _install_flag_shims()
-        _active_traces += 1
+def install(owner: Any) -> None:
+    """`owner` (a tracer) enters its trace: the patches go in with the first owner.
 
-
-def uninstall() -> None:
-    """Leave one trace: unpatch after the last.
-
-    A patch that somebody replaced while we were tracing is left as they set it (our
-    wrapper is a pass-through on other threads, so leaving it in their chain is safe).
+    Safe against an asynchronous exception (KeyboardInterrupt) landing anywhere: the
+    owner is registered before any patch goes in, so `uninstall(owner)`, which the
+    caller runs in a `finally` whether or not this returned, always repairs.
     """
-    global _active_traces
     with _lock:
-        _active_traces -= 1
-        if _active_traces > 0:
-            return
-        if nn.Module.__call__ is _module_call:
-            nn.Module.__call__ = _original_module_call  # type: ignore[method-assign]
-        if nn.Module.__setattr__ is _module_setattr:
-            nn.Module.__setattr__ = _original_module_setattr  # type: ignore[method-assign,assignment]
-        if builtins.print is _print:
-            builtins.print = _original_print
-        if sys.breakpointhook is _breakpointhook:
-            sys.breakpointhook = _original_breakpointhook
-        _uninstall_flag_shims()
+        _owners.add(id(owner))
+        for patch in _PATCHES:
+            patch.apply()
+
+
+def uninstall(owner: Any) -> None:
+    """`owner` leaves its trace: the patches go out after the last owner.
+
+    Idempotent: call it again after an interrupt landed inside it. A patched attribute
+    somebody replaced while we were tracing is left as they set it (our wrapper is a
+    pass-through on other threads, so leaving it in their chain is safe).
+    """
+    with _lock:
+        _owners.discard(id(owner))
+        if not _owners:
+            for patch in reversed(_PATCHES):
+                patch.remove()
+
+
+def patched() -> list[str]:
+    """The attributes holding one of our replacements now (for tests, diagnostics)."""
+    return [f"{getattr(p.owner, '__name__', p.owner)}.{p.name}" for p in _PATCHES if p.applied]
 
 
 def active_traces() -> int:
     """How many traces are running now, on all threads (for tests and diagnostics)."""
-    return _active_traces
+    return len(_owners)

@@ -61,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from nnscaler_eval import _C, codegen, trace_patches
+from nnscaler_eval._install import global_hook_items
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.codegen import (
     ConstantOutput,
@@ -71,7 +72,7 @@ from nnscaler_eval.codegen import (
     SlotOutput,
 )
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.trace_state import set_current_tracer
+from nnscaler_eval.trace_state import current_tracer, run_to_completion, set_current_tracer
 from nnscaler_eval.tracked_values import (
     TrackedFloat,
     TrackedInt,
@@ -132,9 +133,10 @@ class Capture:
       checkpointing is inlined (same values and gradients, not its memory savings);
     - module state mutated inside a list/dict attribute is caught one level deep only;
       tensors hidden in non-pytree input objects are refused (fallback), not traced;
-      `random`, `time`, logging and other Python-level effects are baked in or lost;
-    - sharing the *same module instances* with an eager thread while they are being
-      traced is not supported (their `training` attribute is a flag for that time).
+      `random`, `time`, logging and other Python-level effects are baked in or lost.
+
+    Threads: `module.training` is a flag on the tracing thread only (trace_patches'
+    descriptor); other threads using the same modules meanwhile see their bools.
     """
 
     result: Any
@@ -718,6 +720,17 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
+def _pop_modes_to(depth: int) -> None:
+    """Pop torch function modes until `depth` are left (idempotent)."""
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
+def _global_hook_state() -> tuple[Any, ...]:
+    """The global module hooks, by identity (a change means another graph)."""
+    return tuple(tuple(d.items()) for _, d in global_hook_items())
+
+
 def _same_state(
     before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]
 ) -> Optional[str]:
@@ -796,8 +809,11 @@ class Tracer(TorchFunctionMode):
             for name, buffer in root.named_buffers(remove_duplicate=False):
                 self._param_paths.setdefault(id(buffer), name)
 
-        # Training flags: id(module) -> (module, original value, flag).
+        # Training flags: id(module) -> (module, original value, flag). `_live` holds
+        # those `module.training` answers with on this thread now (trace_patches'
+        # descriptor asks read_training); module `__dict__`s keep their real bools.
         self._swapped: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
+        self._live: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
         self._flag_nodes: dict[int, fx.Node] = {}
         self._training_inputs: list[nn.Module] = []
         self._branched: dict[int, tuple[nn.Module, bool]] = {}
@@ -847,36 +863,95 @@ class Tracer(TorchFunctionMode):
         leak into code that is not being recorded.
         """
         self._suspended += 1
-        restored = []
+        hidden = {}
         for module in modules:
-            entry = self._swapped.get(id(module))
-            if entry is not None and module.__dict__.get("training") is entry[2]:
-                module.__dict__["training"] = entry[1]
-                restored.append(entry)
+            entry = self._live.pop(id(module), None)
+            if entry is not None:
+                hidden[id(module)] = entry
         try:
             yield
         finally:
-            for module, original, flag in restored:
-                if module.__dict__.get("training") is original and self.fallback is None:
-                    module.__dict__["training"] = flag
+            if self.fallback is None:
+                self._live.update(hidden)
             self._suspended -= 1
 
     # -- the run -----------------------------------------------------------------
 
     def run(self, call: Callable[[], Any]) -> Capture:
-        previous = set_current_tracer(self)
-        trace_patches.install()
+        """Trace `call()` once; the process is as before afterwards, however it ends.
+
+        An asynchronous exception (KeyboardInterrupt from a signal handler) may land
+        between any two bytecodes, in here, in the patches, in the user's forward or in
+        a `finally`. So every step that changes process state is undone by one
+        idempotent `_leave()`, run in the outer `finally` and run again if an interrupt
+        lands inside it: no patch, no current tracer, no mode of ours on the torch
+        function stack, nothing of the trace pinned.
+        """
+        previous = current_tracer()
+        mode_depth = torch._C._len_torch_function_stack()
+        lazy_flag = _lazy_graph_module._use_lazy_graph_module_flag
+        global_hooks = _global_hook_state()
         try:
+            set_current_tracer(self)
+            trace_patches.install(self)
             self._prepare()
-            with self:
+            # `with self:`, except that leaving pops down to the entry depth: an
+            # interrupt inside `_pop_mode_temporarily` can leave our mode popped
+            # already, and a plain pop would then fail or pop somebody else's.
+            torch._C._push_on_torch_function_stack(self)
+            try:
                 result = call()
+            finally:
+                _pop_modes_to(mode_depth)
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
+            self._leave(previous, mode_depth)
+            capture = self._make_capture(result, layout)
+            capture.state_unchanged = self._unchanged_check(global_hooks)  # type: ignore[attr-defined]
+            return capture
         finally:
-            self._restore_training()
-            trace_patches.uninstall()
+            run_to_completion(self._leave, previous, mode_depth, lazy_flag, True)
+
+    def _unchanged_check(self, global_hooks: Any) -> Callable[[], bool]:
+        """A check that the modules the trace went through, and the global hooks, are
+        still as the trace saw them (hooks, the module tree, attributes).
+
+        Another thread may change them while this one captures; the C entry snapshots
+        its guarded dicts' versions only when convert_frame builds it, after the trace.
+        convert_frame calls this once the entry exists: a change in between makes the
+        entry wrong yet valid by its versions, so it is dropped (the call's result
+        stands; the next call captures again).
+        """
+        visited, snapshots = dict(self._visited), dict(self._snapshots)
+        inside_opaque = {id(m) for o in self._opaque.values() for m in o.modules()}
+
+        def unchanged() -> bool:
+            if _global_hook_state() != global_hooks:
+                return False
+            return all(
+                _same_state(snapshots[key], _module_state(module)) is None
+                for key, module in visited.items()
+                if key not in inside_opaque
+            )
+
+        return unchanged
+
+    def _leave(
+        self, previous: Any, mode_depth: int, lazy_flag: Any = None, final: bool = False
+    ) -> None:
+        """Undo what run() did to the process; each step idempotent."""
+        self._restore_training()
+        trace_patches.uninstall(self)
+        # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
+        _pop_modes_to(mode_depth)
+        if current_tracer() is self:
             set_current_tracer(previous)
-        return self._make_capture(result, layout)
+        if lazy_flag is not None:
+            _lazy_graph_module._use_lazy_graph_module_flag = lazy_flag
+        if final:
+            # An exception's traceback may keep this tracer alive: not its tensors.
+            self._tensor_nodes.clear()
+            self._keepalive.clear()
 
     def _prepare(self) -> None:
         # Placeholders: every tensor leaf of the slots.
@@ -908,6 +983,8 @@ class Tracer(TorchFunctionMode):
         return code.co_filename, code.co_firstlineno
 
     def _swap_training(self, module: nn.Module) -> None:
+        """From now on `module.training` reads as a TrainingFlag on this thread only
+        (trace_patches' descriptor asks read_training); its `__dict__` is untouched."""
         if id(module) in self._swapped or self.fallback is not None:
             return
         current = module.__dict__.get("training", _MISSING)
@@ -915,13 +992,26 @@ class Tracer(TorchFunctionMode):
             return
         value = current.value if isinstance(current, TrainingFlag) else bool(current)
         flag = TrainingFlag(value, module, self)
-        self._swapped[id(module)] = (module, current, flag)
-        module.__dict__["training"] = flag
+        entry = (module, current, flag)
+        self._swapped[id(module)] = entry
+        if trace_patches.training_is_ours(module):
+            self._live[id(module)] = entry
+        else:
+            # A class of it defines `training` itself, shadowing the descriptor: reads
+            # cannot be told apart from branches, so the graph is valid for this value.
+            self.note_branch(module, value)
+
+    def read_training(self, module: nn.Module, value: Any) -> Any:
+        """`module.training` on this thread (trace_patches' descriptor): its flag while
+        this trace records it, else `value`, the real `__dict__` entry."""
+        entry = self._live.get(id(module))
+        if entry is None or entry[0] is not module or entry[1] is not value:
+            return value  # not ours, hidden (suspended), or written since the swap
+        return entry[2]
 
     def _restore_training(self) -> None:
-        for module, original, flag in self._swapped.values():
-            if module.__dict__.get("training") is flag:
-                module.__dict__["training"] = original
+        # One C-level operation: an interrupt cannot leave it half done.
+        self._live.clear()
 
     def _visit(self, module: nn.Module) -> None:
         if id(module) in self._visited:

@@ -1,7 +1,8 @@
 """Python values that stand for graph values while a capture runs.
 
-`TrainingFlag` replaces `module.training` in the module's `__dict__` for the length of
-one trace. Used as a *value* (it reaches a torch function or `ifexpr`) it becomes a
+`TrainingFlag` is what `module.training` reads as on the tracing thread for the length
+of one trace (trace_patches' descriptor on `nn.Module` asks the tracer; the module's
+`__dict__` keeps its real bool, so other threads never see a flag). Used as a *value* (it reaches a torch function or `ifexpr`) it becomes a
 graph input; used for *branching* (`bool()`, comparisons, arithmetic, `int()`) it
 behaves as the bool it holds and tells the tracer, which then specialises the graph on
 that module's flag.
@@ -26,9 +27,9 @@ from nnscaler_eval.trace_state import current_tracer
 def _recording_tracer(owner: Any) -> Optional[Any]:
     """`owner` if it is this thread's tracer and is recording; else None.
 
-    Flags live in module `__dict__`s, which other threads (and opaque code run with
-    recording suspended) can read: those reads must behave as plain bools and record
-    nothing.
+    A flag can escape its trace's recording (stored by user code where another thread,
+    or opaque code run with recording suspended, reads it): such uses must behave as
+    plain bools and record nothing.
     """
     tracer = current_tracer()
     if tracer is not None and tracer is owner and tracer.recording:
