@@ -116,9 +116,12 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
             PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 2)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(spec, 3))) {
             return spec_error(n, name, "expected (0, dict, keys tuple, values tuple of the same length, missing[, owner[, watched frozenset]])");
         }
-        if (n == 7 && PyTuple_GET_ITEM(spec, 6) != Py_None) {
+        if (n == 7 && PyTuple_GET_ITEM(spec, 6) == Py_True) {
+            guard->exact = 1;
+        }
+        else if (n == 7 && PyTuple_GET_ITEM(spec, 6) != Py_None) {
             if (!PyFrozenSet_Check(PyTuple_GET_ITEM(spec, 6))) {
-                return spec_error(n, name, "watched names must be a frozenset");
+                return spec_error(n, name, "watched must be a frozenset of names, True or None");
             }
             guard->watched = Py_NewRef(PyTuple_GET_ITEM(spec, 6));
         }
@@ -290,6 +293,9 @@ check_dict(ValueGuard *guard)
     /* Re-validate the recorded entries.  Owned references: a key's __eq__ may run
      * Python that rebinds or deletes entries of this dict. */
     Py_ssize_t n = PyTuple_GET_SIZE(guard->keys);
+    if (guard->exact && PyDict_GET_SIZE(dict) != n) {
+        ok = 0;
+    }
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         PyObject *value = PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(guard->keys, i));
         if (value == NULL) {

@@ -13,6 +13,8 @@
  *                for "absent"); if all still match, the new version is remembered, so an
  *                unrelated write (a counter, `train()`) costs one re-validation, not a
  *                recapture.  Module __dict__s, objects' __dict__s, class dicts, globals.
+ *                With `watched` True, the dict must hold exactly `keys` (a key added
+ *                fails the re-validation): `_parameters`, plain dicts.
  *                With `watched` (a frozenset of the names captured code can read), a
  *                re-validation also fails when a watched name the dict did not hold
  *                was added (it would shadow a class attribute, say); `keys` then
@@ -67,6 +69,7 @@ typedef struct {
     PyObject *missing;    /* owned (VG_DICT): the object that stands for "absent" */
     PyObject *watched;    /* owned frozenset (VG_DICT) or NULL: names whose addition
                              invalidates */
+    int exact;            /* VG_DICT: the dict holds exactly `keys` */
     PyObject *dict;       /* VG_DICT: the dict (== target, or borrowed from the owner:
                              compared by address only, never dereferenced unchecked) */
     char *weak;           /* per expected item: 1 when held as a weakref */

@@ -210,7 +210,7 @@ class _StateWalk:
 
     def guard_namespace(self, namespace: dict, label: str, depth: int,
                         names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
-                        owner: Any = None) -> None:
+                        owner: Any = None, exact: bool = False) -> None:
         """Guard `namespace[key]` for the keys captured code can read, and walk them.
 
         `names=None`: the names captured code can look up (attribute namespaces);
@@ -228,12 +228,12 @@ class _StateWalk:
             watched = self._watched_without(frozenset(skipped))
         else:
             keys = tuple(k for k in names if k not in skipped)
-            if not keys:
+            if not keys and not exact:
                 return
         values = tuple(namespace.get(k, MISSING) for k in keys)
         present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
         # With its owner, the guard holds the owner weakly and the dict not at all.
-        self.out.add((VG_DICT, namespace, keys, values, MISSING, owner, watched),
+        self.out.add((VG_DICT, namespace, keys, values, MISSING, owner, True if exact else watched),
                      f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
                      f"{', ...' if len(present) > 6 else ''})")
         for key, value in present:
@@ -262,7 +262,7 @@ class _StateWalk:
             for i, item in enumerate(value):
                 self.visit(item, f"{label}[{i}]", depth + 1)
         elif type(value) is dict:
-            self.guard_namespace(value, label, depth, names=list(value))
+            self.guard_namespace(value, label, depth, names=list(value), exact=True)
         elif isinstance(value, types.FunctionType):
             self.visit_function(value, label, depth)
         elif isinstance(value, types.MethodType):
