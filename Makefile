@@ -32,6 +32,9 @@ venv: $(VENV)/.deps
 
 build: sysdeps venv
 	NNSCALER_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@# An editable install does not copy the import hook's .pth (a wheel install does):
+	@# put it in site-packages so `import nnscaler` finds our names (_nnscaler_eval_ns.py).
+	cp nnscaler_eval_ns.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 
 demo: build
 	$(PY) -m nnscaler_eval.demo

@@ -1,11 +1,13 @@
-"""nnscaler: PEP 523 graph capture of nn.Module.forward, nnScaler style (public API).
+"""The public names users reach as `nnscaler.<name>`, in one place.
 
-    model = nnscaler.compile(model)          # capture, guard, cache, dispatch
-    with nnscaler.eval_frame.enable():       # rewrite mode (self.training ifexpr)
-        ...
-    gm = nnscaler.export(model, x)           # one torch.fx.GraphModule, nnScaler's form
+`nnscaler` is Microsoft nnScaler's package name too, so this distribution does not own
+a `nnscaler/` directory (see `_nnscaler_eval_ns.py` at the top level): when nnScaler is
+installed these names are added onto its package, otherwise a package of ours
+(`nnscaler_eval/_nnscaler/`) is imported under that name. Both read them from here.
 """
-from nnscaler import eval_frame, runtime
+from __future__ import annotations
+
+from nnscaler_eval import eval_frame
 from nnscaler_eval.compile_api import compile
 from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
 from nnscaler_eval.export import ExportError, export
@@ -17,11 +19,10 @@ from nnscaler_eval.register_op import (
     registered_ops,
 )
 from nnscaler_eval.rewrite import rewritten_code, rewritten_function, show_rewrite
+from nnscaler_eval.runtime import ifexpr
 
 __all__ = [
     "compile",
-    "eval_frame",
-    "runtime",
     "cache_info",
     "CacheInfo",
     "explain",
@@ -38,3 +39,6 @@ __all__ = [
     "OpAnnotation",
     "AnnotationError",
 ]
+# `eval_frame` and `runtime` are submodules of `nnscaler` (nnscaler.eval_frame.enable(),
+# nnscaler.runtime.function.ifexpr); `ifexpr` is re-exported for the runtime package.
+_ = (eval_frame, ifexpr)
