@@ -11,6 +11,7 @@ from nnscaler_eval import eval_frame
 from nnscaler_eval.compile_api import compile
 from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
 from nnscaler_eval.export import ExportError, export
+from nnscaler_eval.parallelize import export_for_nnscaler
 from nnscaler_eval.register_op import (
     AnnotationError,
     OpAnnotation,
@@ -29,6 +30,7 @@ __all__ = [
     "ExplainReport",
     "reset",
     "export",
+    "export_for_nnscaler",
     "ExportError",
     "rewritten_code",
     "rewritten_function",

@@ -65,8 +65,14 @@ class _NnscalerCodeGen(fx.graph.CodeGen):
 
 def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
     """Capture `module(*args, **kwargs)` into one GraphModule (see the module docstring)."""
+    result, _ = _capture_for_export(module, args, kwargs, "nnscaler.export()")
+    return _exported_module(result, module)
+
+
+def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        caller: str) -> tuple[Capture, inspect.BoundArguments]:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"nnscaler.export() takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"{caller} takes an nn.Module, got {type(module).__name__}")
     from nnscaler_eval.eval_frame import enable
     from nnscaler_eval.rewrite import rewritten_function
 
@@ -76,7 +82,7 @@ def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
     try:
         bound = inspect.signature(fn).bind(module, *args, **kwargs)
     except TypeError as exc:
-        raise TypeError(f"nnscaler.export(): arguments do not match {where}: {exc}") from None
+        raise TypeError(f"{caller}: arguments do not match {where}: {exc}") from None
     bound.apply_defaults()
     slots = _slots(fn, bound)
     slot_names = tuple(fn.__code__.co_varnames[: len(slots)])
@@ -95,7 +101,7 @@ def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
         raise _export_error(where, exc.fallback) from None
     if result.fallback is not None or result.graph_module is None:
         raise _export_error(where, result.fallback)
-    return _exported_module(result, module)
+    return result, bound
 
 
 def _where(forward: Any) -> str:

@@ -60,6 +60,8 @@ import functools
 import inspect
 import sys
 import threading
+import types
+import warnings
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
 from nnscaler_eval.fx_tracing import active_fx_tracer
@@ -123,17 +125,27 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
     `register_op(annotation, name=None)` returns a decorator;
     `register_op(fn, annotation, name=None)` registers `fn` at once. The annotation is
     parsed here, so a bad one raises AnnotationError at the decorator's line.
+
+    With Microsoft nnScaler installed (see "One registry with nnScaler" below) it also
+    takes nnScaler's signature, `register_op(annotation, name=None,
+    code_impl_pattern='import', emit_fn=None, transform_rules=None, input_gen_fn=None)`
+    (an annotation may then be an annotation function, as nnScaler allows), registers
+    with nnScaler's registry, and returns what nnScaler's returns: the function itself.
     """
-    unknown = sorted(set(kwargs) - {"annotation", "name"})
+    nnscaler_register = _nnscaler_register_op()
+    allowed = _NNSCALER_PARAMS if nnscaler_register is not None else ("annotation", "name")
+    unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"register_op() got an unexpected keyword argument {unknown[0]!r}")
     fn: Optional[Callable[..., Any]] = None
     rest = list(args)
-    if rest and not isinstance(rest[0], str) and callable(rest[0]):
-        fn = rest.pop(0)
-    if len(rest) > 2:
+    if rest and not isinstance(rest[0], str) and callable(rest[0]) and (
+            nnscaler_register is None or "annotation" in kwargs
+            or (len(rest) > 1 and isinstance(rest[1], str) and "->" in rest[1])):
+        fn = rest.pop(0)  # ours: register_op(fn, 'a -> a'); not nnScaler's register_op(anno_fn)
+    if len(rest) > len(allowed):
         raise TypeError(f"register_op() takes an annotation and an optional name; {_USAGE}")
-    params = dict(zip(("annotation", "name"), rest))
+    params = dict(zip(allowed, rest))
     for key, value in kwargs.items():
         if key in params:
             raise TypeError(f"register_op() got multiple values for argument {key!r}")
@@ -144,14 +156,23 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"register_op() needs an annotation{hint}; {_USAGE}")
     text, name = params["annotation"], params.get("name")
     if not isinstance(text, str):
-        if callable(text):
+        if callable(text) and nnscaler_register is None:
             raise TypeError("register_op(): annotation functions are not supported; pass "
                             f"the annotation string. {_USAGE}")
-        raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', not "
-                        f"{type(text).__name__}")
+        if not callable(text):
+            raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', "
+                            f"not {type(text).__name__}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(f"register_op(): name must be a non-empty str, not {name!r}")
-    annotation = parse_annotation(text)
+    annotation = parse_annotation(text) if isinstance(text, str) else None
+    if nnscaler_register is not None:
+        options = {key: params[key] for key in _NNSCALER_PARAMS[2:] if key in params}
+
+        def register_both(fn: F) -> F:
+            return cast(F, _register_with_nnscaler(fn, text, annotation, name, options))
+
+        return register_both(fn) if fn is not None else register_both
+    assert annotation is not None
     if fn is not None:
         return _register(fn, annotation, name)
 
@@ -200,7 +221,8 @@ def _register(fn: Callable[..., Any], annotation: OpAnnotation,
     return op
 
 
-def _make_op(fn: Callable[..., Any], annotation: OpAnnotation, op_name: str) -> RegisteredOp:
+def _make_op(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
+             op_name: str) -> RegisteredOp:
     def registered_op(*args: Any, **kwargs: Any) -> Any:
         tracer = current_tracer()
         stack: Optional[list[Any]] = getattr(_opaque_calls, "stack", None)
@@ -290,3 +312,163 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
     return (isinstance(qualname, str) and not qualname.endswith("<lambda>")
             and getattr(old, "__qualname__", None) == qualname
             and getattr(old, "__module__", None) == getattr(new, "__module__", None))
+
+
+# -- One registry with Microsoft nnScaler ---------------------------------------------
+#
+# With nnScaler installed, `attach_nnscaler()` runs when its package is imported (the
+# import hook, `_nnscaler_eval_ns`). It wraps nnScaler's `CustomizedOps.register`, the
+# one call every nnScaler registration goes through (`nnscaler.register_op`,
+# `nnscaler.graph.parser.register`, ...), so each function nnScaler registers is adopted
+# here too:
+#
+# - an op of ours (`_make_op`) is made around a copy of the function (same code,
+#   globals, defaults, closure: the "body"), named by nnScaler's signature
+#   (`module.name`), and put in our registry;
+# - the function object itself, which nnScaler's `register_op` returns and user code
+#   calls, gets a two-line trampoline as its code (`fn(*a, **k)` -> `op(*a, **k)`), so
+#   that a call under our tracer is one opaque node, as for our own ops, and outside a
+#   trace runs the body. `fn.__wrapped__` is the body, so `inspect.signature` and
+#   `inspect.getsource` (nnScaler's code_impl_pattern='source') see the original.
+#
+# Functions with closure cells cannot take the trampoline (a code object's free
+# variables must match the closure): they stay nnScaler-only and a warning says so.
+# `autograd.Function.apply` and script functions are opaque in our captures already.
+# Our `register_op` calls nnScaler's, so one registration lands in both registries.
+
+_NNSCALER_PARAMS = ("annotation", "name", "code_impl_pattern", "emit_fn",
+                    "transform_rules", "input_gen_fn")
+_nnscaler_attached = False
+# Per thread: (name, OpAnnotation) of the registration our register_op is handing to
+# nnScaler's, read by the CustomizedOps.register hook.
+_pending = threading.local()
+
+
+def _nnscaler_register_op() -> Optional[Callable[..., Any]]:
+    """nnScaler's own register_op when nnScaler is installed and attached, else None."""
+    if not _nnscaler_attached:
+        return None
+    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
+    return cast(Callable[..., Any], nnscaler_register_op)
+
+
+def nnscaler_op_signature(op: Any) -> Optional[str]:
+    """nnScaler's signature of a registered op of ours (None: not known to nnScaler)."""
+    return getattr(op, "__nnscaler_signature__", None)
+
+
+def nnscaler_runtime_function(op: Any) -> Any:
+    """What nnScaler's registry holds for `op` (the function it registered), or None."""
+    signature = nnscaler_op_signature(op)
+    if signature is None or not _nnscaler_attached:
+        return None
+    from nnscaler.graph.parser.register import CustomizedOps
+    return CustomizedOps.kOpRuntime.get(signature)
+
+
+def attach_nnscaler() -> None:
+    """Hook nnScaler's op registry into ours (idempotent); adopts ops registered before."""
+    global _nnscaler_attached
+    from nnscaler.graph.parser.register import CustomizedOps
+
+    with _registry_lock:
+        if _nnscaler_attached:
+            return
+        original = CustomizedOps.register
+        if not getattr(original, "_nnscaler_eval_hook", False):
+            def register(signature: str, op_create_fn: Callable[..., Any], code: str,
+                         runtime_fn: Callable[..., Any], emit_fn: Any = None,
+                         input_gen_fn: Any = None) -> None:
+                original(signature, op_create_fn, code, runtime_fn, emit_fn, input_gen_fn)
+                _adopt(signature, runtime_fn, op_create_fn)
+
+            register._nnscaler_eval_hook = True  # type: ignore[attr-defined]
+            CustomizedOps.register = staticmethod(register)  # type: ignore[method-assign]
+        _nnscaler_attached = True
+    for signature, runtime_fn in list(CustomizedOps.kOpRuntime.items()):
+        _adopt(signature, runtime_fn, CustomizedOps.kOpMap.get(signature))
+
+
+def _register_with_nnscaler(fn: Callable[..., Any], text: Any,
+                            annotation: Optional[OpAnnotation], name: Optional[str],
+                            options: dict[str, Any]) -> Any:
+    nnscaler_register = _nnscaler_register_op()
+    assert nnscaler_register is not None
+    if not callable(fn):
+        raise TypeError(f"register_op(): {fn!r} is not callable")
+    if _is_module(fn):
+        raise TypeError(f"register_op(): {_describe(fn)} is an nn.Module; register the "
+                        "function it calls (an op owns no parameters)")
+    if getattr(fn, "__nnscaler_eval_op__", None) is not None:
+        return fn  # registered already (through nnScaler or us): one registration
+    if annotation is not None and not isinstance(fn, type):
+        _check_arity(fn, annotation)
+    _pending.value = (name, annotation)
+    try:
+        return nnscaler_register(text, name, **options)(fn)
+    except NotImplementedError as exc:
+        # nnScaler refuses functions of __main__ (its generated code imports the op's
+        # module); ours still works in captures, nnScaler's parallelize cannot see it.
+        if annotation is None:
+            raise
+        warnings.warn(f"register_op(): {_describe(fn)} is registered for nnscaler-eval "
+                      f"only, not with nnScaler ({exc})", stacklevel=3)
+        return _register(fn, annotation, name)
+    finally:
+        _pending.value = None
+
+
+def _adopt(signature: str, runtime_fn: Any, op_create_fn: Any) -> None:
+    """Make `runtime_fn`, just registered with nnScaler, one opaque node in our captures."""
+    if not isinstance(runtime_fn, types.FunctionType):
+        return  # autograd.Function.apply, script functions: opaque in our tracer already
+    if getattr(runtime_fn, "__nnscaler_eval_op__", None) is not None:
+        return
+    pending = getattr(_pending, "value", None)
+    name, annotation = pending if pending is not None else (None, None)
+    if annotation is None:
+        annotation = _annotation_of(op_create_fn)
+    if runtime_fn.__closure__:
+        warnings.warn(f"register_op(): {_describe(runtime_fn)} uses closure variables, so it "
+                      "cannot be made one node in nnscaler-eval captures (nnScaler has it "
+                      "registered); define it at module level", stacklevel=4)
+        return
+    body = types.FunctionType(runtime_fn.__code__, runtime_fn.__globals__,
+                              runtime_fn.__name__, runtime_fn.__defaults__, None)
+    body.__kwdefaults__ = dict(runtime_fn.__kwdefaults__ or {}) or None
+    body.__qualname__ = runtime_fn.__qualname__
+    body.__module__ = runtime_fn.__module__
+    body.__doc__ = runtime_fn.__doc__
+    body.__annotations__ = dict(runtime_fn.__annotations__)
+    op_name = name if name is not None else signature
+    op = _make_op(body, annotation, op_name)
+    op.__nnscaler_signature__ = signature  # type: ignore[attr-defined]
+    with _registry_lock:
+        _registry[op_name] = op
+    runtime_fn.__code__ = _trampoline.__code__
+    runtime_fn.__defaults__ = None
+    runtime_fn.__kwdefaults__ = {"_nnscaler_eval_op": op}
+    runtime_fn.__wrapped__ = body  # type: ignore[attr-defined]
+    runtime_fn.__nnscaler_eval_op__ = op  # type: ignore[attr-defined]
+    runtime_fn.__nnscaler_op__ = annotation  # type: ignore[attr-defined]
+    runtime_fn.op_name = op_name  # type: ignore[attr-defined]
+
+
+def _trampoline(*args: Any, _nnscaler_eval_op: Any, **kwargs: Any) -> Any:
+    return _nnscaler_eval_op(*args, **kwargs)
+
+
+def _annotation_of(op_create_fn: Any) -> Optional[OpAnnotation]:
+    """The annotation string nnScaler's register_op closed over, parsed (None when it is
+    an annotation function or our grammar does not read it)."""
+    code = getattr(op_create_fn, "__code__", None)
+    cells = getattr(op_create_fn, "__closure__", None)
+    if code is None or not cells or "annotation" not in code.co_freevars:
+        return None
+    text = cells[code.co_freevars.index("annotation")].cell_contents
+    if not isinstance(text, str):
+        return None
+    try:
+        return parse_annotation(text)
+    except AnnotationError:
+        return None
