@@ -22,9 +22,10 @@ the form nnScaler's parser (`FxModuleParser.parse`) consumes:
 - `torch.cond`, ops registered with nnscaler-eval only, and other forms nnScaler cannot
   express raise `ExportError` naming the construct and the user's `file:line`.
 
-Metadata comes from running the rewritten graph once more (an fx Interpreter); module
-buffers and the RNG state are restored afterwards, so the export changes module state
-exactly as one forward call does (the capture itself).
+Metadata comes from running the rewritten graph once more (an fx Interpreter). Module
+buffers and the RNG state are restored after the capture and that run: unlike
+`nnscaler.export`, this export leaves the module as it found it (nnScaler saves the
+module's state once the graph is made, and BatchNorm statistics must not have moved).
 
 `parallelize` calls nnScaler's `parallelize` with its graph front end,
 `nnscaler.graph.parser.to_fx_graph` (looked up at call time by `nnscaler/parallel.py`),
@@ -32,12 +33,13 @@ swapped for `export_for_nnscaler` for the duration of the call.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import operator
 import re
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -76,10 +78,27 @@ def _require_nnscaler(what: str) -> None:
 def export_for_nnscaler(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
     """Capture `module(*args, **kwargs)` into the GraphModule nnScaler's parser consumes."""
     _require_nnscaler("export_for_nnscaler()")
-    result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()")
-    gm = _nnscaler_graph(result, bound, module)
-    _add_metadata(gm, module, bound)
+    with _state_kept(module):
+        result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()")
+        gm = _nnscaler_graph(result, bound, module)
+        _add_metadata(gm, module, bound)
     return gm
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module) -> Iterator[None]:
+    """Buffers (BatchNorm statistics) and the RNG as they were: nnScaler saves the
+    module's state after tracing, and a trace is not a training step."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
 
 
 def parallelize(*args: Any, **kwargs: Any) -> Any:
@@ -165,10 +184,36 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             raise ExportError(f"export_for_nnscaler: {new.target} is called as an opaque "
                               f"module (it has hooks) at {_where(old)}; nnScaler's parser "
                               "needs its forward traced: remove the hooks to export")
+    _float_arguments_as_inputs(graph, bound, param_nodes)
     graph.lint()
     gm = fx.GraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
     _keep_buffer_persistence(gm, module, attrs)
     return gm
+
+
+def _float_arguments_as_inputs(graph: fx.Graph, bound: inspect.BoundArguments,
+                               param_nodes: dict[str, fx.Node]) -> None:
+    """A float argument the capture baked into calls (`x * scale`) reads its placeholder.
+
+    The capture specialises on non-tensor values; nnScaler's generated forward takes
+    them as arguments and refuses a value for an argument the graph does not use. The
+    float object the caller passed reaches the recorded call unchanged, so its uses are
+    found by identity (an equal constant written in the source is another object).
+    Uses hidden behind Python arithmetic (`scale * 2`) stay specialised, as in
+    nnScaler's own concrete trace.
+    """
+    for name, node in param_nodes.items():
+        value = bound.arguments.get(name)
+        if type(value) is not float:
+            continue
+
+        def substitute(arg: Any, value: Any = value, node: fx.Node = node) -> Any:
+            return node if arg is value else arg
+
+        for user in graph.nodes:
+            if user.op in ("call_function", "call_method"):
+                user.args = fx.node.map_aggregate(user.args, substitute)
+                user.kwargs = fx.node.map_aggregate(user.kwargs, substitute)
 
 
 def _forward_name(module: nn.Module) -> str:
@@ -306,17 +351,7 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         name = node.target.lstrip("*")
         value = bound.arguments.get(name)
         inputs.append(value)
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    rng = torch.random.get_rng_state()
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            _MetadataInterpreter(gm).run(*inputs)
-    finally:
-        torch.random.set_rng_state(rng)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                if buffer.shape == saved.shape:
-                    buffer.copy_(saved)
+    _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
     for node in gm.graph.nodes:
         src = node.meta.get("nnscaler_source")
         if not src or not src[1]:
