@@ -89,7 +89,7 @@ test-nnscaler:
 	  $(MAKE) nnscaler-env && \
 	  NNSCALER_PEERS="$(abspath $(NNSCALER_PEERS))" NNSCALER_PEER_SRC="$(abspath $(NNS_SRC))" \
 	  NNSCALER_WHEELS="$(abspath $(NNS_WHEELS))" \
-	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py; \
+	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py tests/test_nnscaler_saveload.py; \
 	fi
 
 asan: sysdeps

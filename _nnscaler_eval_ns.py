@@ -47,11 +47,11 @@ class _ExtendingLoader(importlib.abc.Loader):
         self._loader.exec_module(module)
         try:
             from nnscaler_eval import _nnscaler_extend
-        except Exception as exc:  # our extension failed to import: nnScaler still works
-            warnings.warn(f"nnscaler-eval could not load (its names are not added to "
-                          f"nnScaler's package): {exc!r}", ImportWarning, stacklevel=2)
-            return
-        _nnscaler_extend.extend(module)
+
+            _nnscaler_extend.extend(module)
+        except Exception as exc:  # ours is broken: nnScaler's package still works
+            warnings.warn(f"nnscaler-eval could not add its names to nnScaler's package: "
+                          f"{exc!r}", RuntimeWarning, stacklevel=2)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, resource readers
         return getattr(self._loader, name)

@@ -47,7 +47,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
-from nnscaler_eval.export import ExportError, _capture_for_export, _module_path, _plain_structure
+from nnscaler_eval.export import (
+    ExportedGraphModule,
+    ExportError,
+    _capture_for_export,
+    _module_path,
+    _plain_structure,
+    keep_buffer_persistence,
+)
 from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracer import Capture
@@ -186,8 +193,8 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                               "needs its forward traced: remove the hooks to export")
     _float_arguments_as_inputs(graph, bound, param_nodes)
     graph.lint()
-    gm = fx.GraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
-    _keep_buffer_persistence(gm, module, attrs)
+    gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
+    keep_buffer_persistence(gm, module)
     return gm
 
 
@@ -258,11 +265,12 @@ def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
     if getattr(target, "__nnscaler_op__", None) is not None or hasattr(target, "op_name"):
         runtime_fn = nnscaler_runtime_function(target)
         if runtime_fn is None:
+            reason = getattr(target, "__nnscaler_refused__", None) or "not handed to it"
             raise ExportError(
-                f"export_for_nnscaler: {getattr(target, 'op_name', target)!r} at "
+                f"export_for_nnscaler: the op {getattr(target, 'op_name', target)!r} at "
                 f"{_where(node)} is registered with nnscaler-eval only, not with nnScaler "
-                f"(signature {nnscaler_op_signature(target)!r}); register it from an "
-                "importable module (nnScaler refuses ops defined in __main__)")
+                f"({reason}); register it once, at module level of an importable module "
+                "(nnScaler refuses ops of __main__ and a second name for one function)")
         node.target = runtime_fn
         return
     _positional_tensor_kwargs(node)
@@ -312,19 +320,6 @@ def _output(result: Capture, flat: Any, env: dict[fx.Node, fx.Node],
     raise ExportError(f"export_for_nnscaler: the forward returns a {layout.spec.type.__name__}"
                       ", which nnScaler's graph cannot hold; return tensors, tuples, lists "
                       "or dicts")
-
-
-def _keep_buffer_persistence(gm: fx.GraphModule, module: nn.Module,
-                             attrs: dict[str, Any]) -> None:
-    for target in attrs:
-        owner_path, _, name = target.rpartition(".")
-        try:
-            owner = module.get_submodule(owner_path)
-            gm_owner = gm.get_submodule(owner_path)
-        except AttributeError:
-            continue
-        if name in owner._non_persistent_buffers_set and name in gm_owner._buffers:
-            gm_owner._non_persistent_buffers_set.add(name)
 
 
 # -- nnScaler's metadata ---------------------------------------------------------------

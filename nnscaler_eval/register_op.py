@@ -129,8 +129,9 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
     With Microsoft nnScaler installed (see "One registry with nnScaler" below) it also
     takes nnScaler's signature, `register_op(annotation, name=None,
     code_impl_pattern='import', emit_fn=None, transform_rules=None, input_gen_fn=None)`
-    (an annotation may then be an annotation function, as nnScaler allows), registers
-    with nnScaler's registry, and returns what nnScaler's returns: the function itself.
+    (an annotation may then be an annotation function, as nnScaler allows) and hands
+    the op to nnScaler's register_op too, which returns the function it registered: the
+    same op (see `_register_with_nnscaler`).
     """
     nnscaler_register = _nnscaler_register_op()
     allowed = _NNSCALER_PARAMS if nnscaler_register is not None else ("annotation", "name")
@@ -188,7 +189,7 @@ def registered_ops() -> dict[str, RegisteredOp]:
         return dict(_registry)
 
 
-def _register(fn: Callable[..., Any], annotation: OpAnnotation,
+def _register(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
               name: Optional[str]) -> RegisteredOp:
     if not callable(fn):
         raise TypeError(f"register_op(): {fn!r} is not callable")
@@ -199,7 +200,8 @@ def _register(fn: Callable[..., Any], annotation: OpAnnotation,
         raise TypeError(f"register_op(): {_describe(fn)} is an nn.Module; register the "
                         "function it calls (an op owns no parameters)")
     op_name = name if name is not None else _default_name(fn)
-    _check_arity(fn, annotation)
+    if annotation is not None:  # None: an nnScaler annotation function
+        _check_arity(fn, annotation)
     with _registry_lock:
         existing = _registry.get(op_name)
         if existing is not None:
@@ -209,12 +211,12 @@ def _register(fn: Callable[..., Any], annotation: OpAnnotation,
                     return existing
                 raise ValueError(
                     f"{ERROR_PREFIX}: {_describe(fn)} is already registered as {op_name!r} "
-                    f"with annotation {existing.__nnscaler_op__.text!r}; it cannot be "
-                    f"registered again with {annotation.text!r}")
+                    f"with annotation {_text(existing.__nnscaler_op__)!r}; it cannot be "
+                    f"registered again with {_text(annotation)!r}")
             if not _same_definition(old_fn, fn):
                 raise ValueError(
                     f"{ERROR_PREFIX}: the name {op_name!r} is taken by {_describe(old_fn)} "
-                    f"(annotation {existing.__nnscaler_op__.text!r}); cannot register "
+                    f"(annotation {_text(existing.__nnscaler_op__)!r}); cannot register "
                     f"{_describe(fn)} under it. Pass name= to give one of them another name")
         op = _make_op(fn, annotation, op_name)
         _registry[op_name] = op
@@ -247,6 +249,10 @@ def _make_op(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
     op.__nnscaler_op__ = annotation  # type: ignore[attr-defined]
     op.op_name = op_name  # type: ignore[attr-defined]
     return cast(RegisteredOp, op)
+
+
+def _text(annotation: Optional[OpAnnotation]) -> str:
+    return annotation.text if annotation is not None else "<nnScaler annotation function>"
 
 
 def _check_arity(fn: Callable[..., Any], annotation: OpAnnotation) -> None:
@@ -322,7 +328,9 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 # `nnscaler.graph.parser.register`, ...), so each function nnScaler registers is adopted
 # here too:
 #
-# - an op of ours (`_make_op`) is made around a copy of the function (same code,
+# - an op of ours handed over by our register_op is only told its nnScaler signature;
+# - for a function registered with nnScaler directly, an op of ours (`_make_op`) is
+#   made around a copy of the function (same code,
 #   globals, defaults, closure: the "body"), named by nnScaler's signature
 #   (`module.name`), and put in our registry;
 # - the function object itself, which nnScaler's `register_op` returns and user code
@@ -334,14 +342,11 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 # Functions with closure cells cannot take the trampoline (a code object's free
 # variables must match the closure): they stay nnScaler-only and a warning says so.
 # `autograd.Function.apply` and script functions are opaque in our captures already.
-# Our `register_op` calls nnScaler's, so one registration lands in both registries.
+# Our `register_op` hands its op to nnScaler's, so one registration lands in both.
 
 _NNSCALER_PARAMS = ("annotation", "name", "code_impl_pattern", "emit_fn",
                     "transform_rules", "input_gen_fn")
 _nnscaler_attached = False
-# Per thread: (name, OpAnnotation) of the registration our register_op is handing to
-# nnScaler's, read by the CustomizedOps.register hook.
-_pending = threading.local()
 
 
 def _nnscaler_register_op() -> Optional[Callable[..., Any]]:
@@ -387,47 +392,60 @@ def attach_nnscaler() -> None:
         _nnscaler_attached = True
     for signature, runtime_fn in list(CustomizedOps.kOpRuntime.items()):
         _adopt(signature, runtime_fn, CustomizedOps.kOpMap.get(signature))
+    # Ops of ours registered before nnScaler was imported: hand them over now.
+    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
+    for op in registered_ops().values():
+        annotation = getattr(op, "__nnscaler_op__", None)
+        if annotation is None or nnscaler_op_signature(op) is not None:
+            continue
+        try:
+            nnscaler_register_op(annotation.text, op.op_name)(op)
+        except Exception as exc:  # noqa: BLE001
+            op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
 
 
 def _register_with_nnscaler(fn: Callable[..., Any], text: Any,
                             annotation: Optional[OpAnnotation], name: Optional[str],
                             options: dict[str, Any]) -> Any:
+    """Ours, exactly as without nnScaler (the same op, checks and registry), and the op
+    handed to nnScaler's register_op, which returns the function it was handed: the op.
+
+    nnScaler names an op `module.__name__` and imports that module in its generated
+    code; the op carries the function's module and name (functools.wraps), and the
+    decorator binds the op to that name, so nnScaler's runtime function is the op
+    itself. Where nnScaler refuses a registration that ours accepts (functions of
+    `__main__`, a second name for one function, builtins, partials) the op stays ours
+    only, and `export_for_nnscaler` names the reason if a graph uses it; when nnScaler's
+    own options (`emit_fn`, ...) were passed its error is raised instead.
+    """
     nnscaler_register = _nnscaler_register_op()
     assert nnscaler_register is not None
-    if not callable(fn):
-        raise TypeError(f"register_op(): {fn!r} is not callable")
-    if _is_module(fn):
-        raise TypeError(f"register_op(): {_describe(fn)} is an nn.Module; register the "
-                        "function it calls (an op owns no parameters)")
-    if getattr(fn, "__nnscaler_eval_op__", None) is not None:
-        return fn  # registered already (through nnScaler or us): one registration
-    if annotation is not None and not isinstance(fn, type):
-        _check_arity(fn, annotation)
-    _pending.value = (name, annotation)
+    adopted = getattr(fn, "__nnscaler_eval_op__", None)
+    if adopted is not None:
+        return adopted  # registered through nnScaler first: its op
+    op = _register(fn, annotation, name)
+    if nnscaler_op_signature(op) is not None:
+        return op
     try:
-        return nnscaler_register(text, name, **options)(fn)
-    except NotImplementedError as exc:
-        # nnScaler refuses functions of __main__ (its generated code imports the op's
-        # module); ours still works in captures, nnScaler's parallelize cannot see it.
-        if annotation is None:
+        nnscaler_register(text, name, **options)(op)
+    except Exception as exc:  # noqa: BLE001 -- nnScaler's refusals are of many kinds
+        if options:
             raise
-        warnings.warn(f"register_op(): {_describe(fn)} is registered for nnscaler-eval "
-                      f"only, not with nnScaler ({exc})", stacklevel=3)
-        return _register(fn, annotation, name)
-    finally:
-        _pending.value = None
+        op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
+    return op
 
 
 def _adopt(signature: str, runtime_fn: Any, op_create_fn: Any) -> None:
     """Make `runtime_fn`, just registered with nnScaler, one opaque node in our captures."""
+    if getattr(runtime_fn, "__nnscaler_op__", None) is not None or isinstance(
+            getattr(runtime_fn, "op_name", None), str):
+        runtime_fn.__nnscaler_signature__ = signature  # one of our ops, handed over by us
+        return
     if not isinstance(runtime_fn, types.FunctionType):
         return  # autograd.Function.apply, script functions: opaque in our tracer already
     if getattr(runtime_fn, "__nnscaler_eval_op__", None) is not None:
         return
-    pending = getattr(_pending, "value", None)
-    name, annotation = pending if pending is not None else (None, None)
-    if annotation is None:
-        annotation = _annotation_of(op_create_fn)
+    name, annotation = None, _annotation_of(op_create_fn)
     if runtime_fn.__closure__:
         warnings.warn(f"register_op(): {_describe(runtime_fn)} uses closure variables, so it "
                       "cannot be made one node in nnscaler-eval captures (nnScaler has it "
