@@ -397,3 +397,22 @@ def test_public_names_on_nnscalers_package():
     assert callable(enable) and callable(disable)
     from nnscaler.runtime.function import ifexpr
     assert ifexpr(True, 1, 2) == 1 and ifexpr(False, 1, 2) == 2
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's nnScaler example (ops.py + train.py) runs as written, on CPU."""
+    import re
+    import subprocess
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## With Microsoft nnScaler"):]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    assert blocks[0].startswith("# ops.py") and blocks[1].startswith("# train.py")
+    (tmp_path / "ops.py").write_text(blocks[0])
+    (tmp_path / "train.py").write_text(blocks[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env["MASTER_PORT"] = "0"
+    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "def forward(self, batch, scale)" in done.stdout
