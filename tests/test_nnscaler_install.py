@@ -150,8 +150,9 @@ def _check_both(venv: Path) -> None:
     assert parallelize.__module__ == "nnscaler.parallel" and __version__ == "0.8"
     assert nnscaler.register_op.__module__ == "nnscaler_eval.register_op"
     from nnscaler.graph.parser.register import CustomizedOps
-    assert CustomizedOps.exist("ops_mod.twice")          # one registration, both registries
-    assert "ops_mod.twice" in nnscaler.registered_ops()
+    # one registration, both registries, one object
+    assert CustomizedOps.kOpRuntime["ops_mod.twice"] is ops_mod.twice
+    assert nnscaler.registered_ops()["twice"] is ops_mod.twice
     from nnscaler_eval.parallelize import export_for_nnscaler
     class Use(torch.nn.Module):
         def forward(self, x):
