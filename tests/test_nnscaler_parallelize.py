@@ -416,3 +416,39 @@ def test_readme_example_runs(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "def forward(self, batch, scale)" in done.stdout
+
+
+def _profile_inputs(node):
+    return [torch.randn(3, 6)]
+
+
+@nnscaler.register_op("a b -> a b", name="tripled", code_impl_pattern="source",
+                      input_gen_fn=_profile_inputs)
+def tripled(x):
+    return x * 3
+
+
+@nnscaler.register_op(lambda *args, **kwargs: "a b -> a b")  # nnScaler's annotation function
+def minus_one(x):
+    return x - 1
+
+
+class NnscalerSignatureOps(nn.Module):
+    def forward(self, x):
+        return minus_one(tripled(x))
+
+
+def test_register_op_takes_nnscalers_signature():
+    sig_tripled, sig_minus = f"{__name__}.tripled", f"{__name__}.minus_one"
+    assert CustomizedOps.kOpCodeDef[sig_tripled].startswith("def tripled(x):")
+    assert CustomizedOps.kOpInputGen[sig_tripled] is _profile_inputs
+    assert CustomizedOps.kOpRuntime[sig_tripled] is tripled
+    assert CustomizedOps.kOpRuntime[sig_minus] is minus_one
+    assert nnscaler.registered_ops()["tripled"] is tripled
+    x = torch.randn(3, 6)
+    ours = nnscaler.export(NnscalerSignatureOps(), x)
+    assert [n.target for n in ours.graph.nodes if n.op == "call_function"] == [tripled, minus_one]
+    gm = export_for_nnscaler(NnscalerSignatureOps(), x)
+    _, ir_nodes, _ = FxModuleParser.parse(gm, {"x": x}, save_content=False)
+    assert [n.signature for n in ir_nodes] == [sig_tripled, sig_minus]
+    torch.testing.assert_close(gm(x), x * 3 - 1)
