@@ -38,7 +38,9 @@ import inspect
 import linecache
 import operator
 import re
+import sys
 import threading
+import types
 from typing import Any, Iterator, Optional
 
 import torch
@@ -356,3 +358,15 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         node.meta["frame_record"] = FrameRecord(
             filename, lineno, linecache.getline(filename, lineno).strip(),
             match.group(1) if match else "forward")
+
+
+class _CallableModule(types.ModuleType):
+    """`nnscaler_eval.parallelize(...)` calls `parallelize` (the brief's spelling) while
+    `from nnscaler_eval.parallelize import parallelize, export_for_nnscaler` still works:
+    the module is callable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
