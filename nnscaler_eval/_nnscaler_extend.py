@@ -6,6 +6,10 @@ Called by the import hook (`_nnscaler_eval_ns`) right after nnScaler's own
 nnScaler's registry too and returns what nnScaler's returns (see register_op.py).
 `nnscaler.runtime.function.ifexpr` stays nnScaler's (same semantics); the bytecode
 rewrite calls `nnscaler_eval.runtime.ifexpr`, which exports map to nnScaler's.
+
+On nnScaler's package `nnscaler.export` is `export_for_nnscaler`: the graph in the form
+nnScaler's parser consumes (forms it cannot express raise ExportError). Our own form
+(training flags as inputs, `torch.cond` kept) stays `nnscaler_eval.export.export`.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ def extend(package: ModuleType) -> None:
     for name in api.__all__:
         if name in REPLACED or not hasattr(package, name):
             setattr(package, name, getattr(api, name))
+    if getattr(package, "export", None) is api.export:
+        package.export = api.export_for_nnscaler
     package.__dict__.setdefault("__nnscaler_eval_names__", tuple(api.__all__))
     _add_eval_frame(package)
 

@@ -48,6 +48,7 @@ from nnscaler.graph.parser import FxModuleParser  # noqa: E402
 from nnscaler.graph.parser.register import CustomizedOps  # noqa: E402
 
 import nnscaler_eval  # noqa: E402
+from nnscaler_eval.export import export as export_own_form  # noqa: E402
 from nnscaler_eval.parallelize import export_for_nnscaler, parallelize  # noqa: E402
 
 PEER_SRC = Path(os.environ.get("NNSCALER_PEER_SRC", REPO / "build" / "nnscaler-peer" / "nnscaler"))
@@ -366,7 +367,7 @@ def test_registered_ops_are_single_nodes_in_both_registries():
     assert CustomizedOps.kOpRuntime[f"{__name__}.their_scale_op"] is their_scale_op
     model = RegisteredOps()
     x = torch.randn(3, 6)
-    ours = nnscaler.export(model, x)
+    ours = export_own_form(model, x)
     targets = [n.target for n in ours.graph.nodes if n.op == "call_function"]
     assert len(targets) == 2, ours.code  # no t/matmul/mul traced through the ops
     theirs = export_for_nnscaler(model, x)
@@ -383,11 +384,13 @@ class CondModel(nn.Module):
         return torch.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, (x,))  # <cond>
 
 
-def test_cond_is_refused_with_the_users_line():
+@pytest.mark.parametrize("export", [export_for_nnscaler, nnscaler.export])
+def test_cond_is_refused_with_the_users_line(export):
     with pytest.raises(nnscaler.ExportError) as info:
-        export_for_nnscaler(CondModel(), torch.randn(3))
+        export(CondModel(), torch.randn(3))
     assert "torch.cond" in str(info.value)
     assert f"{THIS_FILE}:{line_of('cond')}" in str(info.value)
+    export_own_form(CondModel(), torch.randn(3))  # our own form keeps the cond node
 
 
 def test_public_names_on_nnscalers_package():
@@ -395,6 +398,7 @@ def test_public_names_on_nnscalers_package():
     assert nnscaler.__version__
     for name in ("compile", "export", "export_for_nnscaler", "explain", "cache_info", "reset"):
         assert getattr(nnscaler, name).__module__.startswith("nnscaler_eval"), name
+    assert nnscaler.export is export_for_nnscaler  # nnScaler's package: nnScaler's form
     assert nnscaler.register_op.__module__ == "nnscaler_eval.register_op"
     from nnscaler.eval_frame import disable, enable
     assert callable(enable) and callable(disable)
@@ -449,7 +453,7 @@ def test_register_op_takes_nnscalers_signature():
     assert CustomizedOps.kOpRuntime[sig_minus] is minus_one
     assert nnscaler.registered_ops()["tripled"] is tripled
     x = torch.randn(3, 6)
-    ours = nnscaler.export(NnscalerSignatureOps(), x)
+    ours = export_own_form(NnscalerSignatureOps(), x)
     assert [n.target for n in ours.graph.nodes if n.op == "call_function"] == [tripled, minus_one]
     gm = export_for_nnscaler(NnscalerSignatureOps(), x)
     _, ir_nodes, _ = FxModuleParser.parse(gm, {"x": x}, save_content=False)
