@@ -53,9 +53,12 @@ build: sysdeps venv
 demo: build
 	$(PY) -m nnscaler_eval.demo
 
+# Both suites run; the target fails if either did.
 test: build
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
-	$(MAKE) test-nnscaler
+	@status=0; \
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || status=$$?; \
+	$(MAKE) test-nnscaler || status=$$?; \
+	exit $$status
 
 # .venv-nnscaler: torch (kept at TORCH_SPEC), nnScaler's wheel --no-deps, nnscaler-eval
 # editable; build/wheels: both wheels, for the install-order tests' throwaway venvs.

@@ -384,7 +384,8 @@ class CondModel(nn.Module):
         return torch.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, (x,))  # <cond>
 
 
-@pytest.mark.parametrize("export", [export_for_nnscaler, nnscaler.export])
+@pytest.mark.parametrize("export", [export_for_nnscaler, nnscaler.export],
+                         ids=["export_for_nnscaler", "nnscaler.export"])
 def test_cond_is_refused_with_the_users_line(export):
     with pytest.raises(nnscaler.ExportError) as info:
         export(CondModel(), torch.randn(3))
