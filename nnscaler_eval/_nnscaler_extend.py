@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import types
 from types import ModuleType
+from typing import Any
 
 from nnscaler_eval import api
 
@@ -36,6 +38,35 @@ def extend(package: ModuleType) -> None:
         package.export = api.export_for_nnscaler
     package.__dict__.setdefault("__nnscaler_eval_names__", tuple(api.__all__))
     _add_eval_frame(package)
+    _route_nnscaler_ifexpr()
+
+
+def _route_nnscaler_ifexpr() -> None:
+    """nnScaler's `ifexpr`, called explicitly in user code (`nnscaler.runtime.function
+    .ifexpr(self.training, a, b)`, as nnScaler's docs write it), becomes an ifexpr node
+    in our captures instead of being traced through (which would specialise the graph
+    on the flag). Its function object keeps its identity, module and name (nnScaler's
+    parser and tracer find it by those) and gets a one-line trampoline as its code,
+    calling ours, which outside a trace is `true_value if cond else false_value`, the
+    same as nnScaler's body (kept as `__wrapped__`)."""
+    from nnscaler.runtime.function import function as runtime_function
+
+    fn = getattr(runtime_function, "ifexpr", None)
+    if (not isinstance(fn, types.FunctionType) or fn.__closure__
+            or getattr(fn, "__nnscaler_eval_routed__", False)):
+        return
+    body = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+    body.__qualname__, body.__module__, body.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    fn.__code__ = _ifexpr_trampoline.__code__
+    fn.__defaults__ = None
+    fn.__kwdefaults__ = {"_nnscaler_eval_ifexpr": api.ifexpr}
+    fn.__wrapped__ = body  # type: ignore[attr-defined]
+    fn.__nnscaler_eval_routed__ = True  # type: ignore[attr-defined]
+
+
+def _ifexpr_trampoline(cond: Any, true_value: Any, false_value: Any, *,
+                       _nnscaler_eval_ifexpr: Any) -> Any:
+    return _nnscaler_eval_ifexpr(cond, true_value, false_value)
 
 
 def _add_eval_frame(package: ModuleType) -> None:

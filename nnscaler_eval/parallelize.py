@@ -41,6 +41,7 @@ import re
 import sys
 import threading
 import types
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -197,6 +198,13 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
     graph.lint()
     gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
     keep_buffer_persistence(gm, module)
+    if result.branched_training:
+        names = ", ".join(f"{_module_path(module, m) or type(m).__name__}.training={v}"
+                          for m, v in result.branched_training)
+        warnings.warn(f"export_for_nnscaler: the forward branches on `training` ({names}); "
+                      "the graph holds the branch taken in that mode only (nnScaler's rule "
+                      "for `if` statements); write `a if self.training else b` to keep both",
+                      stacklevel=4)
     return gm
 
 

@@ -97,6 +97,20 @@ class MLP(nn.Module):
         return self.fc2(h)
 
 
+class ExplicitIfexpr(nn.Module):
+    """nnScaler's own spelling: its ifexpr called explicitly, in both kinds."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from nnscaler.runtime.function import ifexpr as nnscaler_ifexpr
+
+        h = F.dropout(self.fc(x), nnscaler_ifexpr(self.training, 0.4, 0.0))
+        return nnscaler_ifexpr(self.training, h * 2.0, h - 1.0)
+
+
 class Block(nn.Module):
     """Pre-LN transformer block: attention dropout through a value ifexpr, residual
     dropout through nn.Dropout (its own flag), and a tensor-valued ifexpr."""
@@ -175,6 +189,8 @@ def _inputs(name):
         return MLP(), {"x": torch.randn(4, 8, generator=g)}
     if name == "block":
         return Block(), {"x": torch.randn(2, 5, 16, generator=g)}
+    if name == "explicit":
+        return ExplicitIfexpr(), {"x": torch.randn(3, 8, generator=g)}
     if name == "batchnorm":
         return BatchNormNet(), {"x": torch.randn(2, 3, 5, 5, generator=g)}
     if name == "dict":
@@ -232,7 +248,8 @@ def _grads_by_original_name(pm):
 MAX_DIFF: dict[tuple[str, str, str], float] = {}
 
 
-@pytest.mark.parametrize("name", ["mlp", "block", "batchnorm", "dict", "registered", "gpt"])
+@pytest.mark.parametrize("name", ["mlp", "block", "explicit", "batchnorm", "dict", "registered",
+                                  "gpt"])
 def test_parallelize_equals_eager_in_train_and_eval(name, cpu_nnscaler, tmp_path):
     torch.manual_seed(0)
     model, inputs = _inputs(name)
@@ -320,6 +337,28 @@ def test_export_for_nnscaler_form():
                          for n in norms)
     inputs, ir_nodes, outputs = FxModuleParser.parse(gm, {"x": x}, save_content=False)
     assert len(inputs) == 1 and ir_nodes and outputs
+
+
+def test_nnscalers_explicit_ifexpr_is_an_ifexpr_node(recwarn):
+    from nnscaler.runtime.function.function import ifexpr as their_ifexpr
+
+    gm = export_for_nnscaler(ExplicitIfexpr().train(), torch.randn(3, 8))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is their_ifexpr]
+    assert len(nodes) == 2
+    assert not [w for w in recwarn if "branches on `training`" in str(w.message)]
+    assert their_ifexpr(True, 1, 2) == 1 and their_ifexpr(False, 1, 2) == 2
+
+
+class BranchOnTraining(nn.Module):
+    def forward(self, x):
+        if self.training:
+            return x * 2
+        return x
+
+
+def test_branching_on_training_warns():
+    with pytest.warns(UserWarning, match="branches on `training`"):
+        export_for_nnscaler(BranchOnTraining().train(), torch.randn(3))
 
 
 class GradModes(nn.Module):
