@@ -5,13 +5,27 @@
 #   make leakcheck  refcount/memory soak of the C paths
 #   make fuzz    long differential fuzzing of the bytecode rewrite
 #   make bench / bench-quick  side-by-side benchmarks (benchmarks/)
+#   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
+#                .venv-nnscaler: install order/uninstall checks, parallelize end to end
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick lint clean sysdeps
+.PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick lint clean sysdeps \
+	test-nnscaler nnscaler-env
+
+# Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
+# fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
+NNSCALER_PEERS ?= $(firstword $(wildcard ../shared/peers ../../shared/peers))
+NNSCALER_TARBALL := $(firstword $(wildcard $(NNSCALER_PEERS)/nnscaler-*.tar.gz))
+NNS_VENV := .venv-nnscaler
+NNS_PY := $(NNS_VENV)/bin/python
+NNS_SRC := build/nnscaler-peer/nnscaler
+NNS_WHEELS := build/wheels
+# nnScaler's requirements.txt pins torch<=2.6: it is installed --no-deps with these.
+NNSCALER_DEPS := dill matplotlib more-itertools numpy psutil pulp "pybind11<3" pyyaml tqdm
 
 all: build
 
@@ -32,12 +46,54 @@ venv: $(VENV)/.deps
 
 build: sysdeps venv
 	NNSCALER_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	@# An editable install does not copy the import hook's .pth (a wheel install does):
+	@# put it in site-packages so `import nnscaler` finds our names (_nnscaler_eval_ns.py).
+	cp nnscaler_eval_ns.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 
 demo: build
 	$(PY) -m nnscaler_eval.demo
 
+# Both suites run; the target fails if either did.
 test: build
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || status=$$?; \
+	$(MAKE) test-nnscaler || status=$$?; \
+	exit $$status
+
+# .venv-nnscaler: torch (kept at TORCH_SPEC), nnScaler's wheel --no-deps, nnscaler-eval
+# editable; build/wheels: both wheels, for the install-order tests' throwaway venvs.
+$(NNS_VENV)/.deps: pyproject.toml
+	@test -x $(NNS_PY) || $(PYTHON) -m venv $(NNS_VENV)
+	$(NNS_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(NNS_PY) -m pip install -q "$(TORCH_SPEC)" pytest $(NNSCALER_DEPS)
+	touch $@
+
+$(NNS_SRC)/.unpacked: $(NNSCALER_TARBALL)
+	rm -rf build/nnscaler-peer && mkdir -p build/nnscaler-peer
+	tar xzf $(NNSCALER_TARBALL) -C build/nnscaler-peer
+	touch $@
+
+nnscaler-env: sysdeps $(NNS_VENV)/.deps $(NNS_SRC)/.unpacked
+	mkdir -p $(NNS_WHEELS)
+	@if [ ! -f $(NNS_WHEELS)/.nnscaler-built ] || [ $(NNS_SRC)/.unpacked -nt $(NNS_WHEELS)/.nnscaler-built ]; then \
+	  rm -f $(NNS_WHEELS)/nnscaler-*.whl && \
+	  $(NNS_PY) -m pip wheel -q --no-deps --no-build-isolation -w $(NNS_WHEELS) $(NNS_SRC) && \
+	  touch $(NNS_WHEELS)/.nnscaler-built; fi
+	rm -f $(NNS_WHEELS)/nnscaler_eval-*.whl
+	NNSCALER_WERROR=1 $(NNS_PY) -m pip wheel -q --no-deps --no-build-isolation -w $(NNS_WHEELS) .
+	$(NNS_PY) -m pip install -q --no-deps --force-reinstall $(NNS_WHEELS)/nnscaler-*.whl
+	NNSCALER_WERROR=1 $(NNS_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	cp nnscaler_eval_ns.pth "$$($(NNS_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+
+test-nnscaler:
+	@if [ -z "$(NNSCALER_TARBALL)" ]; then \
+	  echo "SKIPPED test-nnscaler: ../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found"; \
+	else \
+	  $(MAKE) nnscaler-env && \
+	  NNSCALER_PEERS="$(abspath $(NNSCALER_PEERS))" NNSCALER_PEER_SRC="$(abspath $(NNS_SRC))" \
+	  NNSCALER_WHEELS="$(abspath $(NNS_WHEELS))" \
+	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py tests/test_nnscaler_saveload.py; \
+	fi
 
 asan: sysdeps
 	$(MAKE) VENV=.venv-asan venv

@@ -10,3 +10,5 @@ _install()
 from nnscaler_eval import logs as _logs
 
 _logs.configure()  # NNSCALER_LOGS=recaptures,guards,graph,fallbacks,bytecode
+
+from nnscaler_eval import parallelize  # noqa: E402,F401  (nnscaler_eval.parallelize(...))

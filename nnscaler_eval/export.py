@@ -23,11 +23,13 @@ that happened.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import warnings
-from typing import Any
+from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -65,8 +67,14 @@ class _NnscalerCodeGen(fx.graph.CodeGen):
 
 def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
     """Capture `module(*args, **kwargs)` into one GraphModule (see the module docstring)."""
+    result, _ = _capture_for_export(module, args, kwargs, "nnscaler.export()")
+    return _exported_module(result, module)
+
+
+def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        caller: str) -> tuple[Capture, inspect.BoundArguments]:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"nnscaler.export() takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"{caller} takes an nn.Module, got {type(module).__name__}")
     from nnscaler_eval.eval_frame import enable
     from nnscaler_eval.rewrite import rewritten_function
 
@@ -76,7 +84,7 @@ def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
     try:
         bound = inspect.signature(fn).bind(module, *args, **kwargs)
     except TypeError as exc:
-        raise TypeError(f"nnscaler.export(): arguments do not match {where}: {exc}") from None
+        raise TypeError(f"{caller}: arguments do not match {where}: {exc}") from None
     bound.apply_defaults()
     slots = _slots(fn, bound)
     slot_names = tuple(fn.__code__.co_varnames[: len(slots)])
@@ -95,7 +103,7 @@ def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
         raise _export_error(where, exc.fallback) from None
     if result.fallback is not None or result.graph_module is None:
         raise _export_error(where, result.fallback)
-    return _exported_module(result, module)
+    return result, bound
 
 
 def _where(forward: Any) -> str:
@@ -153,7 +161,8 @@ def _exported_module(result: Capture, module: nn.Module) -> fx.GraphModule:
     graph.output(output)
     graph.lint()
 
-    gm = fx.GraphModule(source, graph, class_name=type(module).__name__ + "Graph")
+    gm = ExportedGraphModule(source, graph, class_name=type(module).__name__ + "Graph")
+    keep_buffer_persistence(gm, module)
     gm.meta["nnscaler_training_inputs"] = [
         _module_path(module, m) for m in result.training_inputs
     ]
@@ -168,6 +177,150 @@ def _exported_module(result: Capture, module: nn.Module) -> fx.GraphModule:
             stacklevel=3,
         )
     return gm
+
+
+class ExportedGraphModule(fx.GraphModule):
+    """An exported GraphModule that pickles its graph, not its code.
+
+    fx's own `GraphModule.__reduce__` saves the generated Python and re-traces it on
+    load, which drops every node's `meta` (source lines, nnScaler's metadata) and
+    cannot name a registered op by import path (the op's wrapper is not the module
+    attribute of that name). This one saves a copy of the graph (nodes, targets, meta),
+    the attributes its `get_attr` nodes read, `meta` and buffer persistence; call
+    targets that pickle cannot find by name (our `ifexpr`, registered ops) travel as
+    `_TargetRef`s and are looked up again on load (a registered op's module is
+    imported, so its registration runs).
+    """
+
+    def __reduce__(self) -> Any:
+        graph = fx.Graph()
+        graph._codegen = self.graph._codegen
+        env: dict[fx.Node, fx.Node] = {}
+        for node in self.graph.nodes:
+            target = node.target
+            if node.op == "call_function":
+                target = _TargetRef.of(target) or target
+            new = graph.create_node(
+                node.op, target, fx.node.map_arg(node.args, env.__getitem__),
+                fx.node.map_arg(node.kwargs, env.__getitem__), name=node.name,
+                type_expr=node.type)
+            new.meta = _portable(dict(node.meta), _to_portable)
+            env[node] = new
+        attrs = {n.target: _fetch_attr(self, n.target) for n in graph.nodes if n.op == "get_attr"}
+        non_persistent = [
+            f"{path}.{name}" if path else name
+            for path, sub in self.named_modules() for name in sub._non_persistent_buffers_set
+        ]
+        return (_rebuild_exported, (attrs, graph, type(self).__name__, dict(self.meta),
+                                    non_persistent))
+
+
+class _MemoryFormat:
+    """`torch.memory_format` by name: torch.save's pickle protocol 2 cannot save one
+    (nnScaler's `tensor_meta` holds them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _to_portable(value: Any) -> Any:
+    if isinstance(value, torch.memory_format):
+        return _MemoryFormat(str(value).rpartition(".")[2])
+    return value
+
+
+def _from_portable(value: Any) -> Any:
+    if isinstance(value, _MemoryFormat):
+        return getattr(torch, value.name)
+    return value
+
+
+def _portable(value: Any, leaf: Any) -> Any:
+    """`leaf` applied through dicts, lists and (named) tuples."""
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _portable(v, leaf) for k, v in value.items()}
+    if type(value) is list:
+        return [_portable(v, leaf) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        items = [_portable(v, leaf) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return leaf(value)
+
+
+class _TargetRef:
+    """A call target pickled by what it is, not by its (shadowed) import path."""
+
+    def __init__(self, kind: str, name: str, module: Optional[str]) -> None:
+        self.kind, self.name, self.module = kind, name, module
+
+    @staticmethod
+    def of(target: Any) -> Optional["_TargetRef"]:
+        if target is ifexpr:
+            return _TargetRef("ifexpr", "ifexpr", None)
+        op_name = getattr(target, "op_name", None)
+        if getattr(target, "__nnscaler_op__", None) is not None or isinstance(op_name, str):
+            if not isinstance(op_name, str):
+                return None
+            return _TargetRef("op", op_name, getattr(target, "__module__", None))
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # fx wants a callable target
+        return self.resolve()(*args, **kwargs)
+
+    def resolve(self) -> Any:
+        if self.kind == "ifexpr":
+            return ifexpr
+        from nnscaler_eval.register_op import registered_ops
+
+        ops = registered_ops()
+        if self.name not in ops and self.module and self.module != "__main__":
+            importlib.import_module(self.module)  # its register_op call runs
+            ops = registered_ops()
+        if self.name not in ops:
+            raise RuntimeError(f"loading an exported graph: the op {self.name!r} is not "
+                               f"registered (import the module that registers it, "
+                               f"{self.module!r}, first)")
+        op = ops[self.name]
+        return getattr(op, "__nnscaler_eval_op__", op)
+
+
+def _rebuild_exported(attrs: dict[str, Any], graph: fx.Graph, class_name: str,
+                      meta: dict[str, Any], non_persistent: list[str]) -> fx.GraphModule:
+    for node in graph.nodes:
+        if isinstance(node.target, _TargetRef):
+            node.target = node.target.resolve()
+        node.meta = _portable(node.meta, _from_portable)
+    gm = ExportedGraphModule(attrs, graph, class_name=class_name)
+    gm.meta.update(meta)
+    for qualified in non_persistent:
+        path, _, name = qualified.rpartition(".")
+        owner = gm.get_submodule(path)
+        if name in owner._buffers:
+            owner._non_persistent_buffers_set.add(name)
+    return gm
+
+
+def _fetch_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def keep_buffer_persistence(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Mark the buffers the export copied from non-persistent buffers of `module` as
+    non-persistent in `gm` too (fx registers every copied tensor as a persistent
+    buffer)."""
+    for path, sub in gm.named_modules():
+        if not sub._buffers:
+            continue
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        for name in sub._buffers:
+            if name in owner._non_persistent_buffers_set:
+                sub._non_persistent_buffers_set.add(name)
 
 
 def _plain_structure(spec: pytree.TreeSpec) -> bool:

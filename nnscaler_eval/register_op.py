@@ -60,6 +60,8 @@ import functools
 import inspect
 import sys
 import threading
+import types
+import warnings
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
 from nnscaler_eval.fx_tracing import active_fx_tracer
@@ -123,17 +125,28 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
     `register_op(annotation, name=None)` returns a decorator;
     `register_op(fn, annotation, name=None)` registers `fn` at once. The annotation is
     parsed here, so a bad one raises AnnotationError at the decorator's line.
+
+    With Microsoft nnScaler installed (see "One registry with nnScaler" below) it also
+    takes nnScaler's signature, `register_op(annotation, name=None,
+    code_impl_pattern='import', emit_fn=None, transform_rules=None, input_gen_fn=None)`
+    (an annotation may then be an annotation function, as nnScaler allows) and hands
+    the op to nnScaler's register_op too, which returns the function it registered: the
+    same op (see `_register_with_nnscaler`).
     """
-    unknown = sorted(set(kwargs) - {"annotation", "name"})
+    nnscaler_register = _nnscaler_register_op()
+    allowed = _NNSCALER_PARAMS if nnscaler_register is not None else ("annotation", "name")
+    unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"register_op() got an unexpected keyword argument {unknown[0]!r}")
     fn: Optional[Callable[..., Any]] = None
     rest = list(args)
-    if rest and not isinstance(rest[0], str) and callable(rest[0]):
-        fn = rest.pop(0)
-    if len(rest) > 2:
+    if rest and not isinstance(rest[0], str) and callable(rest[0]) and (
+            nnscaler_register is None or "annotation" in kwargs
+            or (len(rest) > 1 and isinstance(rest[1], str) and "->" in rest[1])):
+        fn = rest.pop(0)  # ours: register_op(fn, 'a -> a'); not nnScaler's register_op(anno_fn)
+    if len(rest) > len(allowed):
         raise TypeError(f"register_op() takes an annotation and an optional name; {_USAGE}")
-    params = dict(zip(("annotation", "name"), rest))
+    params = dict(zip(allowed, rest))
     for key, value in kwargs.items():
         if key in params:
             raise TypeError(f"register_op() got multiple values for argument {key!r}")
@@ -144,14 +157,23 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"register_op() needs an annotation{hint}; {_USAGE}")
     text, name = params["annotation"], params.get("name")
     if not isinstance(text, str):
-        if callable(text):
+        if callable(text) and nnscaler_register is None:
             raise TypeError("register_op(): annotation functions are not supported; pass "
                             f"the annotation string. {_USAGE}")
-        raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', not "
-                        f"{type(text).__name__}")
+        if not callable(text):
+            raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', "
+                            f"not {type(text).__name__}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(f"register_op(): name must be a non-empty str, not {name!r}")
-    annotation = parse_annotation(text)
+    annotation = parse_annotation(text) if isinstance(text, str) else None
+    if nnscaler_register is not None:
+        options = {key: params[key] for key in _NNSCALER_PARAMS[2:] if key in params}
+
+        def register_both(fn: F) -> F:
+            return cast(F, _register_with_nnscaler(fn, text, annotation, name, options))
+
+        return register_both(fn) if fn is not None else register_both
+    assert annotation is not None
     if fn is not None:
         return _register(fn, annotation, name)
 
@@ -167,7 +189,7 @@ def registered_ops() -> dict[str, RegisteredOp]:
         return dict(_registry)
 
 
-def _register(fn: Callable[..., Any], annotation: OpAnnotation,
+def _register(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
               name: Optional[str]) -> RegisteredOp:
     if not callable(fn):
         raise TypeError(f"register_op(): {fn!r} is not callable")
@@ -178,7 +200,8 @@ def _register(fn: Callable[..., Any], annotation: OpAnnotation,
         raise TypeError(f"register_op(): {_describe(fn)} is an nn.Module; register the "
                         "function it calls (an op owns no parameters)")
     op_name = name if name is not None else _default_name(fn)
-    _check_arity(fn, annotation)
+    if annotation is not None:  # None: an nnScaler annotation function
+        _check_arity(fn, annotation)
     with _registry_lock:
         existing = _registry.get(op_name)
         if existing is not None:
@@ -188,19 +211,20 @@ def _register(fn: Callable[..., Any], annotation: OpAnnotation,
                     return existing
                 raise ValueError(
                     f"{ERROR_PREFIX}: {_describe(fn)} is already registered as {op_name!r} "
-                    f"with annotation {existing.__nnscaler_op__.text!r}; it cannot be "
-                    f"registered again with {annotation.text!r}")
+                    f"with annotation {_text(existing.__nnscaler_op__)!r}; it cannot be "
+                    f"registered again with {_text(annotation)!r}")
             if not _same_definition(old_fn, fn):
                 raise ValueError(
                     f"{ERROR_PREFIX}: the name {op_name!r} is taken by {_describe(old_fn)} "
-                    f"(annotation {existing.__nnscaler_op__.text!r}); cannot register "
+                    f"(annotation {_text(existing.__nnscaler_op__)!r}); cannot register "
                     f"{_describe(fn)} under it. Pass name= to give one of them another name")
         op = _make_op(fn, annotation, op_name)
         _registry[op_name] = op
     return op
 
 
-def _make_op(fn: Callable[..., Any], annotation: OpAnnotation, op_name: str) -> RegisteredOp:
+def _make_op(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
+             op_name: str) -> RegisteredOp:
     def registered_op(*args: Any, **kwargs: Any) -> Any:
         tracer = current_tracer()
         stack: Optional[list[Any]] = getattr(_opaque_calls, "stack", None)
@@ -225,6 +249,10 @@ def _make_op(fn: Callable[..., Any], annotation: OpAnnotation, op_name: str) -> 
     op.__nnscaler_op__ = annotation  # type: ignore[attr-defined]
     op.op_name = op_name  # type: ignore[attr-defined]
     return cast(RegisteredOp, op)
+
+
+def _text(annotation: Optional[OpAnnotation]) -> str:
+    return annotation.text if annotation is not None else "<nnScaler annotation function>"
 
 
 def _check_arity(fn: Callable[..., Any], annotation: OpAnnotation) -> None:
@@ -290,3 +318,175 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
     return (isinstance(qualname, str) and not qualname.endswith("<lambda>")
             and getattr(old, "__qualname__", None) == qualname
             and getattr(old, "__module__", None) == getattr(new, "__module__", None))
+
+
+# -- One registry with Microsoft nnScaler ---------------------------------------------
+#
+# With nnScaler installed, `attach_nnscaler()` runs when its package is imported (the
+# import hook, `_nnscaler_eval_ns`). It wraps nnScaler's `CustomizedOps.register`, the
+# one call every nnScaler registration goes through (`nnscaler.register_op`,
+# `nnscaler.graph.parser.register`, ...), so each function nnScaler registers is adopted
+# here too:
+#
+# - an op of ours handed over by our register_op is only told its nnScaler signature;
+# - for a function registered with nnScaler directly, an op of ours (`_make_op`) is
+#   made around a copy of the function (same code,
+#   globals, defaults, closure: the "body"), named by nnScaler's signature
+#   (`module.name`), and put in our registry;
+# - the function object itself, which nnScaler's `register_op` returns and user code
+#   calls, gets a two-line trampoline as its code (`fn(*a, **k)` -> `op(*a, **k)`), so
+#   that a call under our tracer is one opaque node, as for our own ops, and outside a
+#   trace runs the body. `fn.__wrapped__` is the body, so `inspect.signature` and
+#   `inspect.getsource` (nnScaler's code_impl_pattern='source') see the original.
+#
+# Functions with closure cells cannot take the trampoline (a code object's free
+# variables must match the closure): they stay nnScaler-only and a warning says so.
+# `autograd.Function.apply` and script functions are opaque in our captures already.
+# Our `register_op` hands its op to nnScaler's, so one registration lands in both.
+
+_NNSCALER_PARAMS = ("annotation", "name", "code_impl_pattern", "emit_fn",
+                    "transform_rules", "input_gen_fn")
+_nnscaler_attached = False
+
+
+def _nnscaler_register_op() -> Optional[Callable[..., Any]]:
+    """nnScaler's own register_op when nnScaler is installed and attached, else None."""
+    if not _nnscaler_attached:
+        return None
+    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
+    return cast(Callable[..., Any], nnscaler_register_op)
+
+
+def nnscaler_op_signature(op: Any) -> Optional[str]:
+    """nnScaler's signature of a registered op of ours (None: not known to nnScaler)."""
+    return getattr(op, "__nnscaler_signature__", None)
+
+
+def nnscaler_runtime_function(op: Any) -> Any:
+    """What nnScaler's registry holds for `op` (the function it registered), or None."""
+    signature = nnscaler_op_signature(op)
+    if signature is None or not _nnscaler_attached:
+        return None
+    from nnscaler.graph.parser.register import CustomizedOps
+    return CustomizedOps.kOpRuntime.get(signature)
+
+
+def attach_nnscaler() -> None:
+    """Hook nnScaler's op registry into ours (idempotent); adopts ops registered before."""
+    global _nnscaler_attached
+    from nnscaler.graph.parser.register import CustomizedOps
+
+    with _registry_lock:
+        if _nnscaler_attached:
+            return
+        original = CustomizedOps.register
+        if not getattr(original, "_nnscaler_eval_hook", False):
+            def register(signature: str, op_create_fn: Callable[..., Any], code: str,
+                         runtime_fn: Callable[..., Any], emit_fn: Any = None,
+                         input_gen_fn: Any = None) -> None:
+                original(signature, op_create_fn, code, runtime_fn, emit_fn, input_gen_fn)
+                _adopt(signature, runtime_fn, op_create_fn)
+
+            register._nnscaler_eval_hook = True  # type: ignore[attr-defined]
+            CustomizedOps.register = staticmethod(register)  # type: ignore[method-assign]
+        _nnscaler_attached = True
+    for signature, runtime_fn in list(CustomizedOps.kOpRuntime.items()):
+        _adopt(signature, runtime_fn, CustomizedOps.kOpMap.get(signature))
+    # Ops of ours registered before nnScaler was imported: hand them over now.
+    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
+    for op in registered_ops().values():
+        annotation = getattr(op, "__nnscaler_op__", None)
+        if annotation is None or nnscaler_op_signature(op) is not None:
+            continue
+        try:
+            nnscaler_register_op(annotation.text, op.op_name)(op)
+        except Exception as exc:  # noqa: BLE001
+            op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
+
+
+def _register_with_nnscaler(fn: Callable[..., Any], text: Any,
+                            annotation: Optional[OpAnnotation], name: Optional[str],
+                            options: dict[str, Any]) -> Any:
+    """Ours, exactly as without nnScaler (the same op, checks and registry), and the op
+    handed to nnScaler's register_op, which returns the function it was handed: the op.
+
+    nnScaler names an op `module.__name__` and imports that module in its generated
+    code; the op carries the function's module and name (functools.wraps), and the
+    decorator binds the op to that name, so nnScaler's runtime function is the op
+    itself. Where nnScaler refuses a registration that ours accepts (functions of
+    `__main__`, a second name for one function, builtins, partials) the op stays ours
+    only, and `export_for_nnscaler` names the reason if a graph uses it; when nnScaler's
+    own options (`emit_fn`, ...) were passed its error is raised instead.
+    """
+    nnscaler_register = _nnscaler_register_op()
+    assert nnscaler_register is not None
+    adopted = getattr(fn, "__nnscaler_eval_op__", None)
+    if adopted is not None:
+        return adopted  # registered through nnScaler first: its op
+    op = _register(fn, annotation, name)
+    if nnscaler_op_signature(op) is not None:
+        return op
+    try:
+        nnscaler_register(text, name, **options)(op)
+    except Exception as exc:  # noqa: BLE001 -- nnScaler's refusals are of many kinds
+        if options:
+            raise
+        op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
+    return op
+
+
+def _adopt(signature: str, runtime_fn: Any, op_create_fn: Any) -> None:
+    """Make `runtime_fn`, just registered with nnScaler, one opaque node in our captures."""
+    if getattr(runtime_fn, "__nnscaler_op__", None) is not None or isinstance(
+            getattr(runtime_fn, "op_name", None), str):
+        runtime_fn.__nnscaler_signature__ = signature  # one of our ops, handed over by us
+        return
+    if not isinstance(runtime_fn, types.FunctionType):
+        return  # autograd.Function.apply, script functions: opaque in our tracer already
+    if getattr(runtime_fn, "__nnscaler_eval_op__", None) is not None:
+        return
+    name, annotation = None, _annotation_of(op_create_fn)
+    if runtime_fn.__closure__:
+        warnings.warn(f"register_op(): {_describe(runtime_fn)} uses closure variables, so it "
+                      "cannot be made one node in nnscaler-eval captures (nnScaler has it "
+                      "registered); define it at module level", stacklevel=4)
+        return
+    body = types.FunctionType(runtime_fn.__code__, runtime_fn.__globals__,
+                              runtime_fn.__name__, runtime_fn.__defaults__, None)
+    body.__kwdefaults__ = dict(runtime_fn.__kwdefaults__ or {}) or None
+    body.__qualname__ = runtime_fn.__qualname__
+    body.__module__ = runtime_fn.__module__
+    body.__doc__ = runtime_fn.__doc__
+    body.__annotations__ = dict(runtime_fn.__annotations__)
+    op_name = name if name is not None else signature
+    op = _make_op(body, annotation, op_name)
+    op.__nnscaler_signature__ = signature  # type: ignore[attr-defined]
+    with _registry_lock:
+        _registry[op_name] = op
+    runtime_fn.__code__ = _trampoline.__code__
+    runtime_fn.__defaults__ = None
+    runtime_fn.__kwdefaults__ = {"_nnscaler_eval_op": op}
+    runtime_fn.__wrapped__ = body  # type: ignore[attr-defined]
+    runtime_fn.__nnscaler_eval_op__ = op  # type: ignore[attr-defined]
+    runtime_fn.__nnscaler_op__ = annotation  # type: ignore[attr-defined]
+    runtime_fn.op_name = op_name  # type: ignore[attr-defined]
+
+
+def _trampoline(*args: Any, _nnscaler_eval_op: Any, **kwargs: Any) -> Any:
+    return _nnscaler_eval_op(*args, **kwargs)
+
+
+def _annotation_of(op_create_fn: Any) -> Optional[OpAnnotation]:
+    """The annotation string nnScaler's register_op closed over, parsed (None when it is
+    an annotation function or our grammar does not read it)."""
+    code = getattr(op_create_fn, "__code__", None)
+    cells = getattr(op_create_fn, "__closure__", None)
+    if code is None or not cells or "annotation" not in code.co_freevars:
+        return None
+    text = cells[code.co_freevars.index("annotation")].cell_contents
+    if not isinstance(text, str):
+        return None
+    try:
+        return parse_annotation(text)
+    except AnnotationError:
+        return None

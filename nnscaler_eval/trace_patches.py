@@ -40,6 +40,7 @@ still raise TypeError when handed a flag.
 from __future__ import annotations
 
 import builtins
+import inspect
 import sys
 import threading
 import weakref
@@ -269,7 +270,9 @@ _set_grad_enabled.__wrapped__ = REAL_SET_GRAD_ENABLED  # type: ignore[attr-defin
 
 # autograd.Function.apply: one opaque node, so the custom backward survives replay
 # (inlined, its forward's ops would replay under no_grad with no backward at all).
-_original_function_apply: Any = torch.autograd.Function.__dict__["apply"]
+# Looked up statically along the MRO: another tracer (nnScaler's) may have patched it
+# on the class and moved the original.
+_original_function_apply: Any = inspect.getattr_static(torch.autograd.Function, "apply")
 _apply_targets: "weakref.WeakKeyDictionary[type, Callable[..., Any]]" = weakref.WeakKeyDictionary()
 
 

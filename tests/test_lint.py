@@ -29,6 +29,6 @@ def test_every_c_file_starts_with_a_comment_saying_what_it_is():
 def test_no_unfinished_markers():
     # spelled in pieces so that this file does not match itself
     pattern = re.compile(r"\b(" + "|".join(["TO" + "DO", "FIX" + "ME", "X" + "XX"]) + r")\b")
-    files = C_FILES + sorted((ROOT / "nnscaler_eval").glob("*.py")) + sorted((ROOT / "nnscaler").rglob("*.py"))
+    files = C_FILES + sorted((ROOT / "nnscaler_eval").rglob("*.py")) + [ROOT / "_nnscaler_eval_ns.py"]
     offenders = [p.name for p in files if pattern.search(p.read_text())]
     assert offenders == []

@@ -1,0 +1,88 @@
+"""Adds our public names onto Microsoft nnScaler's `nnscaler` package.
+
+Called by the import hook (`_nnscaler_eval_ns`) right after nnScaler's own
+`nnscaler/__init__.py` has run. nnScaler's names stay as they are, with one exception:
+`register_op`, replaced by ours, which accepts nnScaler's signature, registers with
+nnScaler's registry too and returns what nnScaler's returns (see register_op.py).
+`nnscaler.runtime.function.ifexpr` stays nnScaler's (same semantics); the bytecode
+rewrite calls `nnscaler_eval.runtime.ifexpr`, which exports map to nnScaler's.
+
+On nnScaler's package `nnscaler.export` is `export_for_nnscaler`: the graph in the form
+nnScaler's parser consumes (forms it cannot express raise ExportError). Our own form
+(training flags as inputs, `torch.cond` kept) stays `nnscaler_eval.export.export`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from types import ModuleType
+from typing import Any
+
+from nnscaler_eval import api
+
+# Names of ours that replace nnScaler's (all others are added only where nnScaler has
+# no attribute of that name).
+REPLACED = ("register_op",)
+
+
+def extend(package: ModuleType) -> None:
+    from nnscaler_eval import register_op as register_op_module
+
+    register_op_module.attach_nnscaler()
+    for name in api.__all__:
+        if name in REPLACED or not hasattr(package, name):
+            setattr(package, name, getattr(api, name))
+    if getattr(package, "export", None) is api.export:
+        package.export = api.export_for_nnscaler
+    package.__dict__.setdefault("__nnscaler_eval_names__", tuple(api.__all__))
+    _add_eval_frame(package)
+    _route_nnscaler_ifexpr()
+
+
+def _route_nnscaler_ifexpr() -> None:
+    """nnScaler's `ifexpr`, called explicitly in user code (`nnscaler.runtime.function
+    .ifexpr(self.training, a, b)`, as nnScaler's docs write it), becomes an ifexpr node
+    in our captures instead of being traced through (which would specialise the graph
+    on the flag). Its function object keeps its identity, module and name (nnScaler's
+    parser and tracer find it by those) and gets a one-line trampoline as its code,
+    calling ours, which outside a trace is `true_value if cond else false_value`, the
+    same as nnScaler's body (kept as `__wrapped__`)."""
+    from nnscaler.runtime.function import function as runtime_function
+
+    fn = getattr(runtime_function, "ifexpr", None)
+    if (not isinstance(fn, types.FunctionType) or fn.__closure__
+            or getattr(fn, "__nnscaler_eval_routed__", False)):
+        return
+    body = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+    body.__qualname__, body.__module__, body.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    fn.__code__ = _ifexpr_trampoline.__code__
+    fn.__defaults__ = None
+    fn.__kwdefaults__ = {"_nnscaler_eval_ifexpr": api.ifexpr}
+    fn.__wrapped__ = body  # type: ignore[attr-defined]
+    fn.__nnscaler_eval_routed__ = True  # type: ignore[attr-defined]
+
+
+def _ifexpr_trampoline(cond: Any, true_value: Any, false_value: Any, *,
+                       _nnscaler_eval_ifexpr: Any) -> Any:
+    return _nnscaler_eval_ifexpr(cond, true_value, false_value)
+
+
+def _add_eval_frame(package: ModuleType) -> None:
+    """`nnscaler.eval_frame` (enable/disable): our file, as a submodule of theirs."""
+    name = package.__name__ + ".eval_frame"
+    if name in sys.modules:
+        setattr(package, "eval_frame", sys.modules[name])
+        return
+    path = os.path.join(os.path.dirname(__file__), "_nnscaler", "eval_frame.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    setattr(package, "eval_frame", module)

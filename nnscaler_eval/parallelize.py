@@ -1,0 +1,380 @@
+"""nnscaler-eval as the capture front end of Microsoft nnScaler's `parallelize`.
+
+    gm = nnscaler_eval.export_for_nnscaler(model, x, batch={...})  # nnScaler's form
+    pm = nnscaler_eval.parallelize(model, {'x': x, ...}, 'dp', ComputeConfig(1, 1), ...)
+
+`export_for_nnscaler` takes the same capture `nnscaler.export` makes and rewrites it into
+the form nnScaler's parser (`FxModuleParser.parse`) consumes:
+
+- one placeholder per forward parameter, named after it; tensors nested in a parameter
+  (dicts, lists, tuples) are reached through `operator.getitem`; a non-tensor argument
+  stays an input (the graph is specialised on its value, as every capture is);
+- a training flag is `get_attr` of `<path>.training` (nnScaler turns it into a read of
+  `self.training` at run time), `ifexpr` nodes call nnScaler's
+  `nnscaler.runtime.function.ifexpr`;
+- tensor arguments that `__torch_function__` handed over as keywords (`F.batch_norm(...,
+  weight=w, bias=b)`) are positional again, as the user wrote them;
+- an op registered with nnScaler (through its `register_op` or ours) calls the function
+  nnScaler's registry holds, so the parser maps it to its IRDimops;
+- buffers keep their persistence (`_non_persistent_buffers_set` of their module);
+- every node carries nnScaler's metadata: `tensor_meta`, `type`, `op_context` (grad
+  mode and autocast state while the node ran) and `frame_record` (the user's line);
+- `torch.cond`, ops registered with nnscaler-eval only, and other forms nnScaler cannot
+  express raise `ExportError` naming the construct and the user's `file:line`.
+
+Metadata comes from running the rewritten graph once more (an fx Interpreter). Module
+buffers and the RNG state are restored after the capture and that run: unlike
+`nnscaler.export`, this export leaves the module as it found it (nnScaler saves the
+module's state once the graph is made, and BatchNorm statistics must not have moved).
+
+`parallelize` calls nnScaler's `parallelize` with its graph front end,
+`nnscaler.graph.parser.to_fx_graph` (looked up at call time by `nnscaler/parallel.py`),
+swapped for `export_for_nnscaler` for the duration of the call.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import linecache
+import operator
+import re
+import sys
+import threading
+import types
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
+from nnscaler_eval.export import (
+    ExportedGraphModule,
+    ExportError,
+    _capture_for_export,
+    _module_path,
+    _plain_structure,
+    keep_buffer_persistence,
+)
+from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
+from nnscaler_eval.runtime import ifexpr
+from nnscaler_eval.tracer import Capture
+
+__all__ = ["export_for_nnscaler", "parallelize", "nnscaler_available"]
+
+_seam_lock = threading.RLock()
+
+
+def nnscaler_available() -> bool:
+    """Is Microsoft nnScaler installed (its parser importable)?"""
+    try:
+        import nnscaler.graph.parser  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require_nnscaler(what: str) -> None:
+    if not nnscaler_available():
+        raise ImportError(f"{what} needs Microsoft nnScaler installed beside nnscaler-eval "
+                          "(https://github.com/microsoft/nnscaler)")
+    from nnscaler_eval import register_op
+
+    register_op.attach_nnscaler()  # nnscaler imported some other way: one registry
+
+
+def export_for_nnscaler(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
+    """Capture `module(*args, **kwargs)` into the GraphModule nnScaler's parser consumes."""
+    _require_nnscaler("export_for_nnscaler()")
+    with _state_kept(module):
+        result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()")
+        gm = _nnscaler_graph(result, bound, module)
+        _add_metadata(gm, module, bound)
+    return gm
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module) -> Iterator[None]:
+    """Buffers (BatchNorm statistics) and the RNG as they were: nnScaler saves the
+    module's state after tracing, and a trace is not a training step."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
+
+
+def parallelize(*args: Any, **kwargs: Any) -> Any:
+    """`nnscaler.parallelize(...)` (same arguments) with nnscaler-eval's capture as the
+    graph front end instead of nnScaler's tracer."""
+    _require_nnscaler("parallelize()")
+    import nnscaler
+    from nnscaler.graph import parser as nnscaler_parser
+    from nnscaler.graph.parser.converter import _rewrite_inplace_ops
+
+    def to_fx_graph(model: nn.Module, dummy_input: dict[str, Any]) -> fx.GraphModule:
+        if not isinstance(dummy_input, dict):
+            raise TypeError("parallelize(): dummy_forward_args must be a dict of forward "
+                            f"argument names to values, not {type(dummy_input).__name__}")
+        gm = export_for_nnscaler(model, **dummy_input)
+        _rewrite_inplace_ops(gm)  # what nnScaler's to_fx_graph does after its trace
+        return gm
+
+    with _seam_lock:
+        original = nnscaler_parser.to_fx_graph
+        nnscaler_parser.to_fx_graph = to_fx_graph
+        try:
+            return nnscaler.parallelize(*args, **kwargs)
+        finally:
+            nnscaler_parser.to_fx_graph = original
+
+
+# -- the rewrite into nnScaler's form --------------------------------------------------
+
+def _where(node: fx.Node) -> str:
+    return str(node.meta.get("source_loc", "<unknown>"))
+
+
+def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
+                    module: nn.Module) -> fx.GraphModule:
+    from nnscaler.runtime.function import ifexpr as nnscaler_ifexpr
+
+    source = result.graph_module
+    assert source is not None and result.runner_spec is not None
+    graph = fx.Graph()
+    params = list(bound.signature.parameters.values())[1:]  # without self
+    param_nodes: dict[str, fx.Node] = {}
+    for param in params:
+        target = param.name
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            target = "*" + param.name
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            target = "**" + param.name
+        if target.startswith("*") and bound.arguments.get(param.name):
+            raise ExportError(f"export_for_nnscaler: {target} of {_forward_name(module)} is "
+                              "given values; nnScaler takes no *args/**kwargs inputs")
+        param_nodes[param.name] = graph.placeholder(target)
+
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, Any] = {}
+    flags = iter(result.training_inputs)
+    for old in source.graph.nodes:
+        if old.op == "placeholder":
+            info = old.meta.get("nnscaler_input", 0)
+            if info is None:  # a training flag
+                path = _module_path(module, next(flags))
+                target = f"{path}.training" if path else "training"
+                attrs[target] = _fetch(module, target)
+                env[old] = graph.get_attr(target)
+            else:
+                node = param_nodes[result.slot_names[info.slot]]
+                for key in info.keys:
+                    node = _key_access(graph, node, key)
+                env[old] = node
+            continue
+        if old.op == "output":
+            flat = old.args[0]
+            output = _output(result, flat, env, param_nodes)
+            graph.output(output)
+            continue
+        new = graph.node_copy(old, lambda n: env[n])
+        env[old] = new
+        if new.op == "get_attr":
+            attrs[new.target] = _fetch(module, new.target, source)
+        elif new.op == "call_function":
+            _retarget(new, nnscaler_ifexpr)
+        elif new.op == "call_module":
+            raise ExportError(f"export_for_nnscaler: {new.target} is called as an opaque "
+                              f"module (it has hooks) at {_where(old)}; nnScaler's parser "
+                              "needs its forward traced: remove the hooks to export")
+    _float_arguments_as_inputs(graph, bound, param_nodes)
+    graph.lint()
+    gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
+    keep_buffer_persistence(gm, module)
+    if result.branched_training:
+        names = ", ".join(f"{_module_path(module, m) or type(m).__name__}.training={v}"
+                          for m, v in result.branched_training)
+        warnings.warn(f"export_for_nnscaler: the forward branches on `training` ({names}); "
+                      "the graph holds the branch taken in that mode only (nnScaler's rule "
+                      "for `if` statements); write `a if self.training else b` to keep both",
+                      stacklevel=4)
+    return gm
+
+
+def _float_arguments_as_inputs(graph: fx.Graph, bound: inspect.BoundArguments,
+                               param_nodes: dict[str, fx.Node]) -> None:
+    """A float argument the capture baked into calls (`x * scale`) reads its placeholder.
+
+    The capture specialises on non-tensor values; nnScaler's generated forward takes
+    them as arguments and refuses a value for an argument the graph does not use. The
+    float object the caller passed reaches the recorded call unchanged, so its uses are
+    found by identity (an equal constant written in the source is another object).
+    Uses hidden behind Python arithmetic (`scale * 2`) stay specialised, as in
+    nnScaler's own concrete trace.
+    """
+    for name, node in param_nodes.items():
+        value = bound.arguments.get(name)
+        if type(value) is not float:
+            continue
+
+        def substitute(arg: Any, value: Any = value, node: fx.Node = node) -> Any:
+            return node if arg is value else arg
+
+        for user in graph.nodes:
+            if user.op in ("call_function", "call_method"):
+                user.args = fx.node.map_aggregate(user.args, substitute)
+                user.kwargs = fx.node.map_aggregate(user.kwargs, substitute)
+
+
+def _forward_name(module: nn.Module) -> str:
+    return f"{type(module).__qualname__}.forward"
+
+
+def _fetch(module: nn.Module, target: str, fallback: Optional[nn.Module] = None) -> Any:
+    value: Any = module
+    try:
+        for part in target.split("."):
+            value = getattr(value, part)
+        return value
+    except AttributeError:
+        if fallback is None:
+            raise
+    value = fallback  # constants the capture keeps on its own GraphModule
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _key_access(graph: fx.Graph, node: fx.Node, key: Any) -> fx.Node:
+    if isinstance(key, pytree.SequenceKey):
+        return graph.call_function(operator.getitem, (node, key.idx))
+    if isinstance(key, pytree.MappingKey):
+        return graph.call_function(operator.getitem, (node, key.key))
+    if isinstance(key, pytree.GetAttrKey):
+        return graph.call_function(getattr, (node, key.name))
+    raise ExportError(f"export_for_nnscaler: cannot express the input path key {key!r}")
+
+
+def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
+    target = node.target
+    if target is ifexpr:
+        node.target = nnscaler_ifexpr
+        return
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        construct = "torch.cond" if target is torch.ops.higher_order.cond else str(target)
+        raise ExportError(f"export_for_nnscaler: {construct} at {_where(node)} cannot be "
+                          "expressed in nnScaler's graph (it has no conditional op); use "
+                          "`a if self.training else b` or a registered op")
+    if getattr(target, "__nnscaler_op__", None) is not None or hasattr(target, "op_name"):
+        runtime_fn = nnscaler_runtime_function(target)
+        if runtime_fn is None:
+            reason = getattr(target, "__nnscaler_refused__", None) or "not handed to it"
+            raise ExportError(
+                f"export_for_nnscaler: the op {getattr(target, 'op_name', target)!r} at "
+                f"{_where(node)} is registered with nnscaler-eval only, not with nnScaler "
+                f"({reason}); register it once, at module level of an importable module "
+                "(nnScaler refuses ops of __main__ and a second name for one function)")
+        node.target = runtime_fn
+        return
+    _positional_tensor_kwargs(node)
+
+
+def _positional_tensor_kwargs(node: fx.Node) -> None:
+    """Tensor arguments passed by keyword (as `__torch_function__` normalises them) back
+    to positions, filling the defaults between; nnScaler's codegen needs them there."""
+    if not any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return
+    try:
+        signature = inspect.signature(node.target)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    last = max((i for i, p in enumerate(positional)
+                if isinstance(node.kwargs.get(p.name), fx.Node)), default=-1)
+    if last < len(node.args):
+        return
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for param in positional[len(args): last + 1]:
+        if param.name in kwargs:
+            args.append(kwargs.pop(param.name))
+        elif param.default is not param.empty:
+            args.append(param.default)
+        else:
+            return  # a required argument missing: leave the call as it was recorded
+    node.args, node.kwargs = tuple(args), kwargs
+
+
+def _output(result: Capture, flat: Any, env: dict[fx.Node, fx.Node],
+            param_nodes: dict[str, fx.Node]) -> Any:
+    layout = result.runner_spec.output  # type: ignore[union-attr]
+    flat_new = [env[n] if isinstance(n, fx.Node) else n for n in flat]
+    leaves: list[Any] = []
+    for leaf in layout.leaves:
+        if isinstance(leaf, GraphOutput):
+            leaves.append(flat_new[leaf.index])
+        elif isinstance(leaf, ConstantOutput):
+            leaves.append(leaf.value)
+        else:
+            assert isinstance(leaf, SlotOutput)
+            leaves.append(param_nodes[result.slot_names[leaf.slot]])
+    if _plain_structure(layout.spec):
+        return pytree.tree_unflatten(leaves, layout.spec)
+    raise ExportError(f"export_for_nnscaler: the forward returns a {layout.spec.type.__name__}"
+                      ", which nnScaler's graph cannot hold; return tensors, tuples, lists "
+                      "or dicts")
+
+
+# -- nnScaler's metadata ---------------------------------------------------------------
+
+_FRAME_NAME = re.compile(r", in (\S+)")
+
+
+class _MetadataInterpreter(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        from nnscaler.graph.tracer.metadata import extract_metadata
+
+        value = super().run_node(n)
+        extract_metadata(value, n)
+        return value
+
+
+def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArguments) -> None:
+    from nnscaler.graph.tracer.frame_utils import FrameRecord
+
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = node.target.lstrip("*")
+        value = bound.arguments.get(name)
+        inputs.append(value)
+    _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    for node in gm.graph.nodes:
+        src = node.meta.get("nnscaler_source")
+        if not src or not src[1]:
+            continue
+        filename, lineno = src
+        match = _FRAME_NAME.search(node.meta.get("stack_trace", ""))
+        node.meta["frame_record"] = FrameRecord(
+            filename, lineno, linecache.getline(filename, lineno).strip(),
+            match.group(1) if match else "forward")
+
+
+class _CallableModule(types.ModuleType):
+    """`nnscaler_eval.parallelize(...)` calls `parallelize` (the brief's spelling) while
+    `from nnscaler_eval.parallelize import parallelize, export_for_nnscaler` still works:
+    the module is callable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
