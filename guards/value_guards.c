@@ -1,7 +1,8 @@
 /* value_guards.c - guards on the Python values a capture read (see value_guards.h). */
 #include "value_guards.h"
 
-static const char *const kind_names[] = {"dict", "list", "cell", "function", "tensor", "call"};
+static const char *const kind_names[] = {"dict", "list", "cell", "function", "tensor", "call",
+                                         "tensors"};
 
 /* Equal as far as a captured graph can tell: identity, or value for immutable
  * scalars and tuples of them.  No Python code runs for these types. */
@@ -102,7 +103,7 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
     if (kind == -1 && PyErr_Occurred()) {
         return -1;
     }
-    if (kind < VG_DICT || kind > VG_CALL) {
+    if (kind < VG_DICT || kind > VG_TENSORS) {
         PyErr_Format(PyExc_ValueError, "value guard spec: unknown kind %ld", kind);
         return -1;
     }
@@ -193,6 +194,26 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
             return spec_error(n, name, "expected (5, callable)");
         }
         break;
+    case VG_TENSORS: {
+        PyObject *refs = n == 4 ? PyTuple_GET_ITEM(spec, 2) : NULL;
+        PyObject *metas = n == 4 ? PyTuple_GET_ITEM(spec, 3) : NULL;
+        if (n != 4 || !PyDict_Check(target) || !PyTuple_Check(refs) || !PyTuple_Check(metas) ||
+            PyTuple_GET_SIZE(refs) != PyTuple_GET_SIZE(metas)) {
+            return spec_error(n, name, "expected (6, epoch dict, weakrefs tuple, metadata tuple of the same length)");
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(refs); i++) {
+            PyObject *meta = PyTuple_GET_ITEM(metas, i);
+            if (!PyWeakref_CheckRef(PyTuple_GET_ITEM(refs, i)) || !PyTuple_Check(meta) ||
+                PyTuple_GET_SIZE(meta) != 3) {
+                return spec_error(n, name, "each tensor: a weakref and (dtype, device, shape)");
+            }
+        }
+        guard->keys = Py_NewRef(refs);
+        guard->expected = Py_NewRef(metas);
+        guard->dict = target;
+        guard->version = nns_dict_version(target);
+        break;
+    }
     }
     guard->target = Py_NewRef(target);
     return 0;
@@ -355,8 +376,36 @@ check_function(ValueGuard *guard)
            (kwdefaults ? kwdefaults : Py_None) == PyTuple_GET_ITEM(expected, 2);
 }
 
+static int tensor_meta_matches(PyObject *ref, PyObject *expected);
+
 static int
 check_tensor(ValueGuard *guard)
+{
+    return tensor_meta_matches(guard->target, guard->expected);
+}
+
+static int
+check_tensors(ValueGuard *guard)
+{
+    uint64_t version = nns_dict_version(guard->target);
+    if (version == guard->version) {
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guard->keys); i++) {
+        int ok = tensor_meta_matches(PyTuple_GET_ITEM(guard->keys, i),
+                                     PyTuple_GET_ITEM(guard->expected, i));
+        if (ok != 1) {
+            return ok;
+        }
+    }
+    guard->version = version;
+    return 1;
+}
+
+/* 1 when the tensor behind `ref` has the (dtype, device, shape) of `expected`, 0 when
+ * not, -1 when it died. */
+static int
+tensor_meta_matches(PyObject *ref, PyObject *expected)
 {
     static PyObject *fields[3];   /* interned once; immortal for the process */
     if (fields[0] == NULL) {
@@ -369,7 +418,7 @@ check_tensor(ValueGuard *guard)
             return 0;
         }
     }
-    PyObject *tensor = PyWeakref_GET_OBJECT(guard->target);
+    PyObject *tensor = PyWeakref_GET_OBJECT(ref);
     if (tensor == Py_None) {
         return -1;
     }
@@ -382,7 +431,7 @@ check_tensor(ValueGuard *guard)
             ok = 0;
             break;
         }
-        PyObject *want = PyTuple_GET_ITEM(guard->expected, i);
+        PyObject *want = PyTuple_GET_ITEM(expected, i);
         if (i == 2) {   /* torch.Size against the recorded tuple */
             int eq = PyObject_RichCompareBool(value, want, Py_EQ);
             if (eq < 0) {
@@ -431,6 +480,8 @@ value_guard_check(ValueGuard *guard)
         return check_tensor(guard);
     case VG_CALL:
         return check_call(guard);
+    case VG_TENSORS:
+        return check_tensors(guard);
     }
     return 0;
 }

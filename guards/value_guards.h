@@ -32,6 +32,10 @@
  *                read (`x.to(self.weight.dtype)`); `.to()` / `.half()` in place move it.
  *   VG_CALL      (5, callable): a C-level predicate returning True while it holds
  *                (torch's GlobalStateGuard.check: autocast, default dtype, ...).
+ *   VG_TENSORS   (6, epoch dict, (weakref, ...), ((dtype, device, shape), ...)): the
+ *                metadata of many tensors, re-read only when the epoch dict's version
+ *                moved (nnscaler_eval bumps it whenever nn.Module._apply runs: `.to()`,
+ *                `.half()`, `.cuda()`); otherwise one load.
  *
  * Values are compared by identity, except exact int/float/complex/str/bytes, tuples
  * (elementwise) and torch.device, which compare by value (`self.p = 0.1` written again
@@ -58,11 +62,13 @@ enum {
     VG_FUNCTION = 3,
     VG_TENSOR = 4,
     VG_CALL = 5,
+    VG_TENSORS = 6,
 };
 
 typedef struct {
     int kind;
-    PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable;
+    PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable
+                             / epoch dict (VG_TENSORS, with `keys` the weakrefs);
                              VG_DICT with an owner: a weakref to the owner */
     PyObject *keys;       /* owned tuple (VG_DICT) or NULL */
     PyObject *expected;   /* owned tuple: expected values or fields, or NULL (VG_CALL) */

@@ -49,7 +49,31 @@ from nnscaler_eval.tracer import _is_library_file
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
 # Spec kinds understood by guards/value_guards.c.
-VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL = range(6)
+VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS = range(7)
+
+# Bumped whenever nn.Module._apply runs (`.to()`, `.half()`, `.cuda()`, `.float()`...):
+# the one way torch changes parameters' dtype/device/shape in place. Guards on the
+# metadata of parameters, buffers and constants (VG_TENSORS) re-read them only when
+# this dict's version moved. `param.data = ...` written by hand is not seen.
+APPLY_EPOCH: dict[str, int] = {"epoch": 0}
+_torch_module_apply = nn.Module._apply
+
+
+def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return _torch_module_apply(self, *args, **kwargs)
+    finally:
+        APPLY_EPOCH["epoch"] += 1
+
+
+_apply.__wrapped__ = _torch_module_apply  # type: ignore[attr-defined]
+if getattr(nn.Module._apply, "__wrapped__", None) is not _torch_module_apply:
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+
+# nn.Module's own bookkeeping attributes: the module tree and hook dicts are guarded
+# structurally (guard_builder); the others (state-dict hooks, ...) do not shape a
+# forward. `training` is a graph input or a flag guard.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl"}
 
 MAX_DEPTH = 8
 _CO_NEWLOCALS = 0x2
@@ -280,7 +304,7 @@ class _StateWalk:
         label = self._label(module, f"<{type(module).__name__}>")
         # `training` is a graph input or a flag guard; the tree and hook dicts are
         # version-guarded by guard_builder; children are walked below.
-        self.guard_namespace(module.__dict__, label, depth, skip=("training",), owner=module)
+        self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS, owner=module)
         self.visit_class(type(module), depth)
         for name, child in module._modules.items():
             if child is not None:
@@ -356,13 +380,13 @@ def build_state_value_guards(
     for name, value in arguments:
         walk.visit(value, f"argument {name}", 0)
     if guard_tensor_metadata:
-        tensors = {id(t): t for t in attr_tensors}
-        for tensor in tensors.values():
+        tensors = list({id(t): t for t in attr_tensors}.values())
+        if tensors:
             with torch._C.DisableTorchFunction():
-                meta = (tensor.dtype, tensor.device, tuple(tensor.shape))
-            walk.out.add((VG_TENSOR, weakref.ref(tensor), *meta),
-                         f"{labels.get(id(tensor), 'tensor')}: dtype/device/shape "
-                         f"{str(meta[0]).replace('torch.', '')}, {meta[1]}, {list(meta[2])}")
+                metas = tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors)
+            walk.out.add((VG_TENSORS, APPLY_EPOCH, tuple(weakref.ref(t) for t in tensors), metas),
+                         f"dtype/device/shape of {len(tensors)} parameters, buffers and "
+                         "constants (re-read after Module.to()/half()/cuda())")
     return walk.out
 
 
