@@ -18,7 +18,11 @@ typedef struct CodeState {
     unsigned flags;
     int n_sites;              /* rewritten self.training sites */
     PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
-    PyObject *buckets;        /* owned list of CacheBucket (one per `self`), or NULL */
+    /* owned list of (config key, list of CacheBucket) pairs, or NULL.  The key is
+     * a weak reference to the capture config (the config itself when it cannot be
+     * weakly referenced); each bucket list holds one bucket per owner (`self`, or
+     * the function object of a compiled function). */
+    PyObject *configs;
 } CodeState;
 
 /* Index into co_extra; must be called once at module init. -1 on error. */
