@@ -29,10 +29,13 @@ typedef struct CodeState {
 int code_state_init(void);
 
 /* The CodeState of `code`, created and decided on first sight. Borrowed (owned by
- * the code object). NULL with an exception set on failure. */
+ * the code object, freed only with it, so it stays valid across Python run by
+ * the caller while the code object is alive). NULL with an exception set on
+ * failure.  May run Python: a failed rewrite is reported as a warning. */
 CodeState *code_state_get(PyCodeObject *code);
 
-/* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1. */
+/* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1.
+ * Runs no Python. */
 int code_state_mark_skip(PyCodeObject *code);
 
 /* The existing CodeState or NULL; never creates one, never raises. */
