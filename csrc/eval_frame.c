@@ -179,9 +179,12 @@ static PyTypeObject ArmState_Type = {
 
 /* Per-thread cache of the context region, valid while the thread state and its
  * context version are the ones recorded: CPython bumps ts->context_ver whenever
- * this thread enters or leaves a context or sets a variable in it, and only then
- * can arm_var's value change.  `state` is borrowed: the current context owns it
- * (through the chain of `prev`) for as long as the version holds. */
+ * this thread enters or leaves a context (Context.run, asyncio task steps), and
+ * arm_var is set only by arm_context/disarm_context on the thread whose context
+ * it is, which drop the cache by hand (a set does not bump the version).  `state`
+ * is borrowed: the current context owns it (through the chain of `prev`) for as
+ * long as the cache holds; its `active` flag is read on every use, since a token
+ * closed on its own thread closes the region in copied contexts too. */
 typedef struct {
     uint64_t ts_id;
     uint64_t ctx_ver;
