@@ -1,7 +1,11 @@
 /* dispatch.c - the capture-mode path of the frame evaluator.
  *
- * Hit:  key (C) -> bucket of `self` -> entry with equal key and holding guards ->
- *       runner(*slots, *training_flags).  No Python code of this project runs.
+ * Hit:  key (C) -> bucket of (config, owner) -> entry with equal key and holding
+ *       guards -> runner(*slots, *training_flags).  No Python code of this project
+ *       runs; the user's can (tensor-subclass getters, `training` properties), so
+ *       the bucket, the entry and the config are held across it.
+ *       The owner is `self` for a module forward, the frame's function object for
+ *       a compiled function (held weakly by the bucket, as `self` is).
  * Miss: convert_frame(config, fn, code, self, slots, bucket) in Python, with the hook
  *       suspended for this thread; it runs the forward once for real (its result is
  *       the call's result) and returns (result, CacheEntry or None), or

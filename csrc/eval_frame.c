@@ -76,10 +76,17 @@ region_close(void)
  * it over (armed: the count moves; disable(): the count is dropped) and hands it
  * back when it closes; if the outer one closes first, the inner keeps it. */
 static void
-count_open(RegionCount *rc, int armed, RegionCount *outer)
+count_open(RegionCount *rc, int armed, RegionCount *outer, PyObject *home)
 {
     rc->counted = 0;
     rc->lent_to = rc->lent_from = NULL;
+    rc->home = home;
+    /* A disable() takes the count only from a region of its own context: a task
+     * copied from an armed context must not uninstall the hook under the region
+     * that armed it, which is still open there. */
+    if (outer != NULL && !armed && outer->home != NULL && outer->home != home) {
+        outer = NULL;
+    }
     if (outer != NULL && outer->counted && outer->lent_to == NULL) {
         outer->counted = 0;
         outer->lent_to = rc;
@@ -295,12 +302,12 @@ arm_push(ArmSaved *saved, PyObject *config, PyObject *target)
             PyErr_Clear();
             outer = NULL;
         }
-        count_open(&saved->count, 1, outer);
+        count_open(&saved->count, 1, outer, NULL);
     }
     else {
         /* Nothing armed: our own code being decided.  It is short and takes no
          * count, so the hook stays installed across it. */
-        count_open(&saved->count, 0, NULL);
+        count_open(&saved->count, 0, NULL, NULL);
     }
     arm->calls = saved;
 }
@@ -501,6 +508,7 @@ arm_context(PyObject *config, PyObject *target)
     state->active = 0;   /* open once committed below */
     state->count.counted = 0;
     state->count.lent_to = state->count.lent_from = NULL;
+    state->count.home = NULL;
     PyObject_GC_Track(state);
 
     token = PyObject_GC_New(ArmToken, &ArmToken_Type);
@@ -530,7 +538,7 @@ arm_context(PyObject *config, PyObject *target)
     token->context = Py_XNewRef(ts->context);
     context_state_forget();
     state->active = 1;
-    count_open(&state->count, now, outer_count);
+    count_open(&state->count, now, outer_count, ts->context);
     token->status = TOKEN_OPEN;
     token->guard = guard;
     token->next = guard->open;

@@ -35,8 +35,11 @@
  * it back when it closes; whichever of the two closes first settles it. */
 typedef struct RegionCount {
     int counted;                       /* holds one count */
-    struct RegionCount *lent_to;       /* the disable() region holding our count */
-    struct RegionCount *lent_from;     /* the armed region whose count we hold */
+    struct RegionCount *lent_to;       /* the region holding our count */
+    struct RegionCount *lent_from;     /* the region whose count we hold */
+    PyObject *home;                    /* borrowed: a context region's context (its
+                                        * token holds it while open); NULL for call
+                                        * regions */
 } RegionCount;
 
 /* One call region: lives on the C stack of the function that pushed it. */

@@ -578,3 +578,29 @@ def test_nested_first_calls_use_no_more_recursion_than_eager():
 
     eager, ours = per_level(False), per_level(True)
     assert ours <= eager, (ours, eager)
+
+
+def test_disable_in_a_task_copied_from_an_armed_context_keeps_the_hook():
+    """A task created inside enable() inherits the armed context; its own disable()
+    must not uninstall the hook under the region still open in the parent task."""
+
+    async def child(inside: asyncio.Event, release: asyncio.Event) -> None:
+        assert _C.current_config() is REWRITE_MODE       # inherited
+        with nnscaler.eval_frame.disable():
+            assert _C.current_config() is None
+            inside.set()
+            await release.wait()
+
+    async def main() -> None:
+        with nnscaler.eval_frame.enable():
+            inside, release = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(child(inside, release))
+            await inside.wait()
+            assert _C.current_config() is REWRITE_MODE
+            assert _C.eval_frame_installed()
+            release.set()
+            await task
+            assert _C.eval_frame_installed()
+
+    asyncio.run(main())
+    assert _C.armed_threads() == 0 and not _C.eval_frame_installed()
