@@ -11,7 +11,7 @@ code_state_free(void *ptr)
         return;
     }
     Py_CLEAR(cs->rewritten);
-    Py_CLEAR(cs->buckets);
+    Py_CLEAR(cs->configs);
     PyMem_Free(cs);
 }
 

@@ -18,17 +18,24 @@ typedef struct CodeState {
     unsigned flags;
     int n_sites;              /* rewritten self.training sites */
     PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
-    PyObject *buckets;        /* owned list of CacheBucket (one per `self`), or NULL */
+    /* owned list of (config key, list of CacheBucket) pairs, or NULL.  The key is
+     * a weak reference to the capture config (the config itself when it cannot be
+     * weakly referenced); each bucket list holds one bucket per owner (`self`, or
+     * the function object of a compiled function). */
+    PyObject *configs;
 } CodeState;
 
 /* Index into co_extra; must be called once at module init. -1 on error. */
 int code_state_init(void);
 
 /* The CodeState of `code`, created and decided on first sight. Borrowed (owned by
- * the code object). NULL with an exception set on failure. */
+ * the code object, freed only with it, so it stays valid across Python run by
+ * the caller while the code object is alive). NULL with an exception set on
+ * failure.  May run Python: a failed rewrite is reported as a warning. */
 CodeState *code_state_get(PyCodeObject *code);
 
-/* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1. */
+/* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1.
+ * Runs no Python. */
 int code_state_mark_skip(PyCodeObject *code);
 
 /* The existing CodeState or NULL; never creates one, never raises. */

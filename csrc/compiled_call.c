@@ -22,6 +22,8 @@ typedef struct {
     vectorcallfunc vectorcall;
 } ModuleCall;
 
+/* 1 when `owner_dict[name]` holds something, 0 when not, -1 on error.  Runs
+ * Python only for a non-dict value (its __bool__), with that value held. */
 static int
 dict_nonempty(PyObject *owner_dict, PyObject *name)
 {
@@ -29,54 +31,76 @@ dict_nonempty(PyObject *owner_dict, PyObject *name)
     if (d == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
-    return PyDict_Check(d) ? PyDict_GET_SIZE(d) > 0 : PyObject_IsTrue(d);
+    if (PyDict_Check(d)) {
+        return PyDict_GET_SIZE(d) > 0;
+    }
+    Py_INCREF(d);
+    int r = PyObject_IsTrue(d);
+    Py_DECREF(d);
+    return r;
 }
 
-/* 1 when calling the module must go through _call_impl (hooks present). */
+/* 1 when calling the module must go through _call_impl (hooks present), 0 when
+ * not, -1 on error.  May run Python (see dict_nonempty): the module's __dict__ is
+ * held while it is read. */
 static int
 module_has_hooks(PyObject *module)
 {
+    int result = 1;
+    PyObject *dict = NULL;   /* owned */
     PyObject *globals = nns_globals.global_hook_dicts;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++) {
         if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0) {
-            return 1;
+            goto done;
         }
     }
     PyObject **dictptr = _PyObject_GetDictPtr(module);
     if (dictptr == NULL || *dictptr == NULL) {
-        return 1;
+        goto done;
     }
+    dict = Py_NewRef(*dictptr);
     PyObject *names[] = {nns_globals.str_forward_hooks, nns_globals.str_forward_pre_hooks,
                          nns_globals.str_backward_hooks, nns_globals.str_backward_pre_hooks};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        int r = dict_nonempty(*dictptr, names[i]);
+        int r = dict_nonempty(dict, names[i]);
         if (r != 0) {
-            return r;
+            result = r;
+            goto done;
         }
     }
-    return 0;
+    result = 0;
+done:
+    Py_XDECREF(dict);
+    return result;
 }
 
+/* Reentrancy: the hook check and the attribute read may run Python that deletes
+ * this wrapper from the module or the module's other references; the module and
+ * the target are held for the whole call, the config by the call region. */
 static PyObject *
 module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     ModuleCall *self = (ModuleCall *)callable;
     PyObject *result = NULL;
-    PyObject *target = NULL;    /* owned */
+    /* owned */
+    PyObject *module = Py_NewRef(self->module);
+    PyObject *target = NULL;
     ArmSaved saved;
 
-    int hooks = module_has_hooks(self->module);
+    int hooks = module_has_hooks(module);
     if (hooks < 0) {
-        return NULL;
+        goto done;
     }
-    target = PyObject_GetAttr(self->module, hooks ? nns_globals.str_call_impl : nns_globals.str_forward);
+    target = PyObject_GetAttr(module, hooks ? nns_globals.str_call_impl : nns_globals.str_forward);
     if (target == NULL) {
-        return NULL;
+        goto done;
     }
     arm_push(&saved, self->config, NULL);
     result = PyObject_Vectorcall(target, args, nargsf, kwnames);
     arm_pop(&saved);
-    Py_DECREF(target);
+done:
+    Py_XDECREF(target);
+    Py_DECREF(module);
     return result;
 }
 
@@ -173,10 +197,12 @@ compiled_function_vectorcall(PyObject *callable, PyObject *const *args, size_t n
                              PyObject *kwnames)
 {
     CompiledFunction *self = (CompiledFunction *)callable;
+    PyObject *fn = Py_NewRef(self->fn);   /* held: the call may clear the wrapper */
     ArmSaved saved;
     arm_push(&saved, self->config, self->code);
-    PyObject *result = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    PyObject *result = PyObject_Vectorcall(fn, args, nargsf, kwnames);
     arm_pop(&saved);
+    Py_DECREF(fn);
     return result;
 }
 

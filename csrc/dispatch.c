@@ -1,7 +1,11 @@
 /* dispatch.c - the capture-mode path of the frame evaluator.
  *
- * Hit:  key (C) -> bucket of `self` -> entry with equal key and holding guards ->
- *       runner(*slots, *training_flags).  No Python code of this project runs.
+ * Hit:  key (C) -> bucket of (config, owner) -> entry with equal key and holding
+ *       guards -> runner(*slots, *training_flags).  No Python code of this project
+ *       runs; the user's can (tensor-subclass getters, `training` properties), so
+ *       the bucket, the entry and the config are held across it.
+ *       The owner is `self` for a module forward, the frame's function object for
+ *       a compiled function (held weakly by the bucket, as `self` is).
  * Miss: convert_frame(config, fn, code, self, slots, bucket) in Python, with the hook
  *       suspended for this thread; it runs the forward once for real (its result is
  *       the call's result) and returns (result, CacheEntry or None), or
@@ -14,8 +18,107 @@
 #include "eval_frame.h"
 #include "nns_globals.h"
 
+/* ------------------------------------------------------- buckets per config */
+
+/* The config a record belongs to: its weak reference's referent, or the config
+ * itself when it could not be weakly referenced (then it is pinned). */
+static inline PyObject *
+record_config(PyObject *record)
+{
+    PyObject *key = PyTuple_GET_ITEM(record, 0);
+    return PyWeakref_CheckRef(key) ? PyWeakref_GET_OBJECT(key) : key;
+}
+
+/* Borrowed bucket list of `config` in `cs`, or NULL when there is none yet.
+ * Never raises; runs no Python (dead records are skipped, pruned on a miss). */
 static PyObject *
-call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n)
+config_buckets(CodeState *cs, PyObject *config)
+{
+    PyObject *records = cs->configs;
+    if (records == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
+        PyObject *record = PyList_GET_ITEM(records, i);
+        if (record_config(record) == config) {
+            return PyTuple_GET_ITEM(record, 1);
+        }
+    }
+    return NULL;
+}
+
+/* New reference to the bucket list of `config` in `cs`, created if missing;
+ * records whose config was collected are dropped first.  NULL with an exception
+ * set on error.  May run Python (what the dropped entries release). */
+static PyObject *
+config_buckets_create(CodeState *cs, PyObject *config)
+{
+    PyObject *result = NULL;
+    /* owned */
+    PyObject *records = NULL, *key = NULL, *list = NULL, *record = NULL;
+
+    if (cs->configs != NULL) {
+        records = Py_NewRef(cs->configs);   /* a finaliser may reset() meanwhile */
+        for (Py_ssize_t i = PyList_GET_SIZE(records) - 1; i >= 0; i--) {
+            if (i < PyList_GET_SIZE(records) &&
+                record_config(PyList_GET_ITEM(records, i)) == Py_None &&
+                PySequence_DelItem(records, i) < 0) {
+                goto done;
+            }
+        }
+        Py_CLEAR(records);
+    }
+    if (cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) {
+        goto done;
+    }
+    if ((list = config_buckets(cs, config)) != NULL) {
+        result = Py_NewRef(list);
+        list = NULL;
+        goto done;
+    }
+    key = PyWeakref_NewRef(config, NULL);
+    if (key == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            goto done;
+        }
+        PyErr_Clear();   /* not weakly referenceable: keyed by identity, pinned */
+        key = Py_NewRef(config);
+    }
+    if ((list = PyList_New(0)) == NULL || (record = PyTuple_Pack(2, key, list)) == NULL) {
+        goto done;
+    }
+    if (cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) {
+        goto done;
+    }
+    if (PyList_Append(cs->configs, record) < 0) {
+        goto done;
+    }
+    result = list;
+    list = NULL;
+done:
+    Py_XDECREF(records);
+    Py_XDECREF(key);
+    Py_XDECREF(list);
+    Py_XDECREF(record);
+    return result;
+}
+
+/* Borrowed bucket of (`owner`, `config`), or NULL.  Runs no Python. */
+static CacheBucket *
+find_bucket(CodeState *cs, PyObject *config, PyObject *owner)
+{
+    PyObject *buckets = config_buckets(cs, config);
+    return buckets ? cache_find_bucket(buckets, owner) : NULL;
+}
+
+/* ------------------------------------------------------------------- runner */
+
+/* Calls the entry's runner with the slots and the training flags it takes.
+ * `entry` and `slots` are owned by the caller for the whole call.  Reading a flag
+ * may run Python (a `training` property); a module collected meanwhile makes the
+ * entry unusable: NULL with no exception and *stale set. */
+static PyObject *
+call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
 {
     PyObject *small[24];
     PyObject **args = small;
@@ -23,6 +126,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n)
     Py_ssize_t nflags = PyTuple_GET_SIZE(entry->training_refs);
     Py_ssize_t total = n + nflags;
 
+    *stale = 0;
     if (nflags == 0) {
         return PyObject_Vectorcall(entry->runner, slots, (size_t)n, NULL);
     }
@@ -34,9 +138,16 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n)
     }
     memcpy(args, slots, sizeof(PyObject *) * (size_t)n);
     for (Py_ssize_t i = 0; i < nflags; i++) {
-        /* Liveness was checked by the guards; a borrowed bool is enough here. */
+        /* The guards saw every module alive, but reading an earlier flag may have
+         * run Python that dropped this one: held across its own read. */
         PyObject *module = PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry->training_refs, i));
-        PyObject *flag = cache_read_training(module);
+        if (module == Py_None) {
+            *stale = 1;
+            goto done;
+        }
+        Py_INCREF(module);
+        PyObject *flag = cache_read_training(module);   /* borrowed Py_True/Py_False */
+        Py_DECREF(module);
         if (flag == NULL) {
             goto done;
         }
@@ -99,22 +210,34 @@ restore:
     PyErr_Restore(type, value, tb);
 }
 
+/* A target frame with no valid entry: convert_frame captures it (or says to run
+ * it eagerly).  `self` (borrowed from the frame) is the module or NULL, `owner`
+ * (borrowed from the frame) the bucket's owner, `config` and `bucket` (bucket may
+ * be NULL) are held by the caller.  Runs Python. */
 static PyObject *
 handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *cs,
-            PyObject *self, PyObject *config, CacheBucket *bucket, Py_ssize_t n)
+            PyObject *self, PyObject *owner, PyObject *config, CacheBucket *bucket,
+            Py_ssize_t n)
 {
     PyObject *result = NULL;
-    PyObject *fn = NULL, *slot_tuple = NULL, *reply = NULL;   /* owned */
+    /* owned */
+    PyObject *fn = NULL, *slot_tuple = NULL, *reply = NULL, *buckets = NULL;
+    CacheBucket *held = NULL;
+    /* borrowed: the frame's own, stable until it returns */
     PyObject **slots = nns_frame_localsplus(frame);
     Py_ssize_t skip = self != NULL;
     CallKey key;
     call_key_init(&key, 1);
 
-    if (bucket == NULL && (bucket = cache_new_bucket(&cs->buckets, self)) == NULL) {
-        goto internal_error;
+    if (bucket == NULL) {
+        if ((buckets = config_buckets_create(cs, config)) == NULL ||
+            (bucket = cache_new_bucket(&buckets, owner)) == NULL) {
+            goto internal_error;
+        }
     }
-    Py_INCREF(bucket);   /* convert_frame may run code that prunes the bucket list */
-    bucket->misses++;
+    /* convert_frame may reset() the caches or prune the bucket list */
+    held = (CacheBucket *)Py_NewRef(bucket);
+    held->misses++;
     if (call_key_build(&key, slots + skip, n - skip) < 0) {
         goto internal_error;
     }
@@ -135,13 +258,15 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
         PyTuple_SET_ITEM(slot_tuple, i, Py_NewRef(slots[i]));
     }
     /* Reentrancy: convert_frame runs the user's forward (arbitrary Python). It may
-     * arm/disarm, call other compiled modules, or raise; our hook is suspended for
-     * this thread meanwhile so that the trace sees plain frames. */
-    PyObject *armed = eval_frame_suspend();
+     * arm/disarm, call other compiled modules, reset() caches, or raise.  Capture
+     * is suspended for this thread meanwhile (a call region in rewrite mode), so
+     * that the trace sees plain frames, rewritten. */
+    ArmSaved suspended;
+    arm_push(&suspended, nns_globals.rewrite_mode, NULL);
     PyObject *callargs[] = {config, fn, (PyObject *)code, self ? self : Py_None,
-                            slot_tuple, (PyObject *)bucket};
+                            slot_tuple, (PyObject *)held};
     reply = PyObject_Vectorcall(nns_globals.convert_frame, callargs, 6, NULL);
-    eval_frame_resume(armed);
+    arm_pop(&suspended);
     if (reply == NULL) {
         /* convert_frame lets the user's own exceptions through and turns its own
          * failures into a warning + run_eagerly; anything here is the user's. */
@@ -152,28 +277,30 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
         PyErr_SetString(PyExc_TypeError, "convert_frame must return (result, entry)");
         goto internal_error;
     }
-    PyObject *value = PyTuple_GET_ITEM(reply, 0);
+    PyObject *value = PyTuple_GET_ITEM(reply, 0);   /* borrowed from reply */
     PyObject *entry = PyTuple_GET_ITEM(reply, 1);
     if (entry != Py_None) {
         if (!PyObject_TypeCheck(entry, &CacheEntry_Type)) {
             PyErr_SetString(PyExc_TypeError, "convert_frame returned a non-CacheEntry");
             goto internal_error;
         }
-        if (cache_insert(bucket, (CacheEntry *)entry, &key) < 0) {
+        /* If a reset() dropped the bucket meanwhile, the entry goes with it. */
+        if (cache_insert(held, (CacheEntry *)entry, &key) < 0) {
             goto internal_error;
         }
     }
     if (value == nns_globals.run_eagerly) {
-        bucket->fallbacks++;
+        held->fallbacks++;
         result = eval_frame_run_eagerly(ts, frame, cs);
     }
     else if (value == nns_globals.run_disarmed) {
         /* cache_size_limit reached: this call and everything it calls run as in
          * eager (callees are not captured one by one either). */
-        bucket->fallbacks++;
-        PyObject *config_saved = eval_frame_suspend();
+        held->fallbacks++;
+        ArmSaved disarmed;
+        arm_push(&disarmed, nns_globals.rewrite_mode, NULL);
         result = eval_frame_run_eagerly(ts, frame, cs);
-        eval_frame_resume(config_saved);
+        arm_pop(&disarmed);
     }
     else {
         result = Py_NewRef(value);
@@ -198,7 +325,8 @@ done:
     Py_XDECREF(fn);
     Py_XDECREF(slot_tuple);
     Py_XDECREF(reply);
-    Py_XDECREF(bucket);
+    Py_XDECREF(buckets);
+    Py_XDECREF(held);
     return result;
 }
 
@@ -207,23 +335,41 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
                  PyObject *self, PyObject *config)
 {
     PyObject *result = NULL;
+    /* owned: each can be released by Python run below (key getters, flag reads) */
+    CacheBucket *bucket = NULL;
+    CacheEntry *entry = NULL;
+    PyObject *held_config = Py_NewRef(config);
+    /* borrowed: the frame's own, stable until it returns */
     PyObject **slots = nns_frame_localsplus(frame);
+    PyObject *owner = self != NULL ? self : nns_frame_function(frame);
     Py_ssize_t n = code_arg_slots(code);
     Py_ssize_t skip = self != NULL;
-    CacheBucket *bucket = cache_find_bucket(cs->buckets, self);   /* borrowed */
     CallKey key;
     call_key_init(&key, 0);
 
+    if (owner == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "frame has no function object");
+        goto internal_error;
+    }
+    bucket = find_bucket(cs, config, owner);
+    Py_XINCREF(bucket);
     /* entries is NULL only if the self-collected callback ran out of memory */
     if (bucket != NULL && bucket->entries != NULL && PyList_GET_SIZE(bucket->entries) > 0) {
+        /* Reentrancy: tensor-subclass getters run Python here; it may reset() the
+         * caches or delete modules.  We hold the bucket; if it is no longer the
+         * live bucket of this owner afterwards, this is a miss. */
         if (call_key_build(&key, slots + skip, n - skip) < 0) {
-            call_key_release(&key);
-            if (nns_report_internal_error("computing the call key") < 0) {
-                return NULL;
-            }
-            return eval_frame_run_eagerly(ts, frame, cs);
+            goto internal_error;
         }
-        CacheEntry *entry = cache_lookup(bucket, &key);
+        if (find_bucket(cs, config, owner) != bucket) {
+            Py_CLEAR(bucket);
+        }
+        else {
+            /* Guard checks may read training properties (Python); the entry is
+             * held from the moment it is returned. */
+            entry = cache_lookup(bucket, &key);
+            Py_XINCREF(entry);
+        }
         if (entry != NULL) {
             entry->hits++;
             if (entry->runner == NULL) {
@@ -233,15 +379,31 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
                 result = eval_frame_run_eagerly(ts, frame, cs);
             }
             else {
+                int stale;
                 bucket->hits++;
-                Py_INCREF(entry);   /* the runner may run code that drops it */
-                result = call_runner(entry, slots, n);
-                Py_DECREF(entry);
+                result = call_runner(entry, slots, n, &stale);
+                if (stale) {
+                    bucket->hits--;
+                    bucket->fallbacks++;
+                    result = eval_frame_run_eagerly(ts, frame, cs);
+                }
             }
-            call_key_release(&key);
-            return result;
+            goto done;
         }
     }
     call_key_release(&key);
-    return handle_miss(ts, frame, code, cs, self, config, bucket, n);
+    result = handle_miss(ts, frame, code, cs, self, owner, held_config, bucket, n);
+    goto done;
+
+internal_error:
+    if (nns_report_internal_error("computing the call key") < 0) {
+        goto done;
+    }
+    result = eval_frame_run_eagerly(ts, frame, cs);
+done:
+    call_key_release(&key);
+    Py_XDECREF(entry);
+    Py_XDECREF(bucket);
+    Py_DECREF(held_config);
+    return result;
 }

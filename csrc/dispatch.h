@@ -6,14 +6,19 @@
 #include "code_state.h"
 
 /* Runs a target frame in capture mode.  `self` (borrowed) is the module for a
- * forward, NULL for a compiled function; `config` (borrowed) the thread's capture
- * config.  Returns the frame's result (new reference) or NULL with an exception. */
+ * forward, NULL for a compiled function (the frame's function object owns the
+ * cache bucket then: closures of one code object do not share entries); `config`
+ * (borrowed) the region's capture config: buckets are kept per config too, so a
+ * function or module compiled again with another backend gets its own entries.
+ * Returns the frame's result (new reference) or NULL with an exception.
+ * Runs Python: tensor-subclass getters while building the key, training
+ * properties while checking guards, the runner, convert_frame on a miss; every
+ * object it uses across those is held by a strong reference. */
 PyObject *dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code,
                            CodeState *cs, PyObject *self, PyObject *config);
 
-/* From eval_frame.c. */
+/* From eval_frame.c: evaluate the frame (its rewritten code if any) with the
+ * current region.  Runs Python (the frame). */
 PyObject *eval_frame_run_eagerly(PyThreadState *ts, NnsFrame *frame, CodeState *cs);
-PyObject *eval_frame_suspend(void);
-void eval_frame_resume(PyObject *config);
 
 #endif

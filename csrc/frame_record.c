@@ -56,3 +56,23 @@ frame_record_stop(PyObject *Py_UNUSED(module), PyObject *previous)
     frame_record_incomplete = 0;
     return result;
 }
+
+PyObject *
+frame_record_pause(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
+{
+    PyObject *set = frame_record_set;   /* ownership moves to the caller */
+    frame_record_set = NULL;
+    return set != NULL ? set : Py_NewRef(Py_None);
+}
+
+PyObject *
+frame_record_resume(PyObject *Py_UNUSED(module), PyObject *paused)
+{
+    if (paused != Py_None && !PySet_Check(paused)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "record_functions_resume(paused): pass what record_functions_pause returned");
+        return NULL;
+    }
+    Py_XSETREF(frame_record_set, paused != Py_None ? Py_NewRef(paused) : NULL);
+    Py_RETURN_NONE;
+}

@@ -25,5 +25,10 @@ void frame_record_note(NnsFrame *frame);
  * stops.  Python functions of _C (module.c). */
 PyObject *frame_record_start(PyObject *module, PyObject *noargs);
 PyObject *frame_record_stop(PyObject *module, PyObject *previous);
+/* record_functions_pause() -> token: no recording until record_functions_resume(token)
+ * (code run for real but not traced, such as hooks of opaque modules, shapes no
+ * graph and must not be guarded). */
+PyObject *frame_record_pause(PyObject *module, PyObject *noargs);
+PyObject *frame_record_resume(PyObject *module, PyObject *paused);
 
 #endif

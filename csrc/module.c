@@ -20,6 +20,13 @@ nns_report_internal_error(const char *where)
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
+    /* Only ordinary errors fail open.  KeyboardInterrupt, SystemExit, MemoryError
+     * and any other BaseException that is not an Exception propagate. */
+    if (type == NULL || !PyErr_GivenExceptionMatches(type, PyExc_Exception) ||
+        PyErr_GivenExceptionMatches(type, PyExc_MemoryError)) {
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
     int rc = PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
                               "nnscaler: %s failed (%R); the frame runs without it",
                               where, value ? value : Py_None);
@@ -29,36 +36,13 @@ nns_report_internal_error(const char *where)
     return rc;
 }
 
-/* ------------------------------------------------------------------ ArmToken */
-
-typedef struct {
-    PyObject_HEAD
-    ArmSaved saved;
-    int active;
-} ArmToken;
-
-static void
-arm_token_dealloc(ArmToken *self)
-{
-    /* A token dropped without disarm() cannot restore anything safely. */
-    Py_CLEAR(self->saved.config);
-    Py_CLEAR(self->saved.target);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyTypeObject ArmToken_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "nnscaler_eval._C.ArmToken",
-    .tp_basicsize = sizeof(ArmToken),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "What arm() saved; hand it back to disarm().",
-    .tp_dealloc = (destructor)arm_token_dealloc,
-};
+/* ------------------------------------------------------------------ arming */
 
 PyDoc_STRVAR(arm_doc,
-"arm(config, target=None) -> token\n\nArm this thread: `config` is the rewrite-mode object,\n"
-"a capture config, or None (disarm, as disable() does). `target` is a code object\n"
-"captured even when it is not a module forward. Returns a token for disarm().");
+"arm(config, target=None) -> token\n\nArm the current context on this thread: `config` is\n"
+"the rewrite-mode object, a capture config, or None (disarm, as disable() does).\n"
+"`target` is a code object captured even when it is not a module forward.  Returns\n"
+"a token for disarm(), to be used on this thread, in this context, innermost first.");
 
 static PyObject *
 py_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
@@ -77,32 +61,17 @@ py_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "nnscaler_eval._C.install() has not run");
         return NULL;
     }
-    ArmToken *token = PyObject_New(ArmToken, &ArmToken_Type);
-    if (token == NULL) {
-        return NULL;
-    }
-    arm_push(&token->saved, args[0], target);
-    token->active = 1;
-    return (PyObject *)token;
+    return arm_context(args[0], target);
 }
 
-PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nRestore what the matching arm() saved.");
+PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nClose the region the matching arm() opened.");
 
 static PyObject *
 py_disarm(PyObject *Py_UNUSED(module), PyObject *token)
 {
-    if (!Py_IS_TYPE(token, &ArmToken_Type)) {
-        PyErr_Format(PyExc_TypeError, "disarm(): expected an ArmToken, not %.100s",
-                     Py_TYPE(token)->tp_name);
+    if (disarm_context(token) < 0) {
         return NULL;
     }
-    ArmToken *t = (ArmToken *)token;
-    if (!t->active) {
-        PyErr_SetString(PyExc_RuntimeError, "disarm(): this token was already used");
-        return NULL;
-    }
-    t->active = 0;
-    arm_pop(&t->saved);
     Py_RETURN_NONE;
 }
 
@@ -193,6 +162,27 @@ bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
     return bytecode_roundtrip((PyCodeObject *)code);
 }
 
+/* New list of every bucket of `cs`, all configs together.  May run Python (an
+ * allocation can collect garbage), so the record list is held while walked. */
+static PyObject *
+all_buckets(CodeState *cs)
+{
+    PyObject *result = PyList_New(0);
+    PyObject *records = cs->configs ? Py_NewRef(cs->configs) : NULL;   /* owned */
+    for (Py_ssize_t i = 0; result != NULL && records != NULL &&
+                           i < PyList_GET_SIZE(records); i++) {
+        PyObject *record = Py_NewRef(PyList_GET_ITEM(records, i));
+        PyObject *buckets = PyTuple_GET_ITEM(record, 1);
+        Py_ssize_t end = PyList_GET_SIZE(result);
+        if (PyList_SetSlice(result, end, end, buckets) < 0) {
+            Py_CLEAR(result);
+        }
+        Py_DECREF(record);
+    }
+    Py_XDECREF(records);
+    return result;
+}
+
 static PyObject *
 py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
 {
@@ -204,7 +194,7 @@ py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
     if (cs == NULL) {
         Py_RETURN_NONE;
     }
-    PyObject *buckets = cs->buckets ? PyList_GetSlice(cs->buckets, 0, PY_SSIZE_T_MAX) : PyList_New(0);
+    PyObject *buckets = all_buckets(cs);
     if (buckets == NULL) {
         return NULL;
     }
@@ -255,7 +245,7 @@ py_clear_cache(PyObject *Py_UNUSED(module), PyObject *code)
     }
     CodeState *cs = code_state_peek((PyCodeObject *)code);
     if (cs != NULL) {
-        Py_CLEAR(cs->buckets);
+        Py_CLEAR(cs->configs);   /* a dispatch in progress holds what it uses */
     }
     Py_RETURN_NONE;
 }
@@ -276,13 +266,16 @@ py_is_default_eval_frame(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignore
 static PyObject *
 py_armed_threads(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
-    return PyLong_FromSsize_t(eval_frame_armed_threads());
+    return PyLong_FromSsize_t(eval_frame_armed_regions());
 }
 
 static PyObject *
 py_current_config(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
-    PyObject *config = arm_current_config();
+    PyObject *config, *target;
+    if (arm_current(&config, &target) < 0) {
+        return NULL;
+    }
     return Py_NewRef(config ? config : Py_None);
 }
 
@@ -310,13 +303,18 @@ static PyMethodDef module_methods[] = {
      "True while this project's evaluator is installed."},
     {"is_default_eval_frame", py_is_default_eval_frame, METH_NOARGS,
      "True when the interpreter runs CPython's default frame evaluator."},
-    {"armed_threads", py_armed_threads, METH_NOARGS, "Number of threads armed now."},
+    {"armed_threads", py_armed_threads, METH_NOARGS,
+     "Number of armed regions open now (0: the evaluator is uninstalled)."},
     {"current_config", py_current_config, METH_NOARGS, "This thread's config, or None."},
     {"dict_version", py_dict_version, METH_O, "The version tag of a dict (guards compare it)."},
     {"record_functions_start", frame_record_start, METH_NOARGS,
      "record_functions_start() -> token: note every function that runs on this thread."},
     {"record_functions_stop", frame_record_stop, METH_O,
      "record_functions_stop(token) -> (set of functions, complete): stop noting them."},
+    {"record_functions_pause", frame_record_pause, METH_NOARGS,
+     "record_functions_pause() -> token: stop noting functions until resumed."},
+    {"record_functions_resume", frame_record_resume, METH_O,
+     "record_functions_resume(token): note functions again."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -370,7 +368,7 @@ module_exec(PyObject *module)
         add_type(module, &CacheBucket_Type, "CacheBucket") < 0 ||
         add_type(module, &ModuleCall_Type, "ModuleCall") < 0 ||
         add_type(module, &CompiledFunction_Type, "CompiledFunction") < 0 ||
-        add_type(module, &ArmToken_Type, "ArmToken") < 0) {
+        eval_frame_init(module) < 0) {
         return -1;
     }
     initialised = 1;

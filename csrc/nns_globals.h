@@ -31,9 +31,12 @@ typedef struct {
 
 extern NnsGlobals nns_globals;
 
-/* Report an error of our own without losing the user's call: the pending exception
- * becomes a RuntimeWarning naming `where`.  Returns 0, or -1 if the warning itself
- * raised (warnings turned into errors), leaving that exception set. */
+/* Report an error of our own without losing the user's call: a pending Exception
+ * becomes a RuntimeWarning naming `where` and 0 is returned.  Anything else
+ * (KeyboardInterrupt, SystemExit, MemoryError, other BaseExceptions) is left set
+ * and -1 returned: it must propagate.  -1 also if the warning itself raised
+ * (warnings turned into errors), with that exception set.  May run Python (the
+ * warnings machinery). */
 int nns_report_internal_error(const char *where);
 
 #endif

@@ -4,11 +4,13 @@
 every frame that runs inside and holds a `self.training` conditional expression runs
 its rewritten bytecode.  `enable(backend=...)` is capture mode: every `forward` called
 inside is captured, guarded, cached and dispatched.  `disable()` runs its body with
-the evaluator off.  Both work as context managers and as decorators; they nest and
-are per thread.
+the evaluator off.  Both work as context managers and as decorators; they nest,
+and their state follows the context (contextvars): each thread, and each asyncio
+task, sees only the regions it entered itself.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any, Callable, Optional, TypeVar
 
@@ -18,19 +20,37 @@ from nnscaler_eval._install import REWRITE_MODE
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# The `with` blocks open in this context, innermost last: (the _Armed object, its
+# token).  One variable for all of them, so that no context accumulates entries.
+_open_blocks: contextvars.ContextVar[tuple[tuple[Any, Any], ...]] = contextvars.ContextVar(
+    "nnscaler_eval.open_blocks", default=())
+
+
 class _Armed:
-    """Context manager and decorator that arms the thread with one config."""
+    """Context manager and decorator that arms the current context with one config.
+
+    Its open blocks are kept per context, so one object entered by two asyncio
+    tasks (or threads) keeps their tokens apart."""
 
     def __init__(self, config: Any) -> None:
         self._config = config
-        self._tokens: list[Any] = []
 
     def __enter__(self) -> "_Armed":
-        self._tokens.append(_C.arm(self._config))
+        token = _C.arm(self._config)
+        _open_blocks.set(_open_blocks.get() + ((self, token),))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _C.disarm(self._tokens.pop())
+        blocks = _open_blocks.get()
+        for i in range(len(blocks) - 1, -1, -1):
+            if blocks[i][0] is self:
+                break
+        else:
+            raise RuntimeError(
+                "nnscaler.eval_frame: __exit__ without a matching __enter__ in this "
+                "context (thread or asyncio task)")
+        _C.disarm(blocks[i][1])  # raises, leaving the block open, if out of order
+        _open_blocks.set(blocks[:i] + blocks[i + 1:])
 
     def __call__(self, fn: F) -> F:
         config = self._config

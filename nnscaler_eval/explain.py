@@ -62,7 +62,9 @@ def _buckets(obj: Any) -> Iterator[Any]:
         )
     state = _C.code_state(code)
     for bucket in (state or {}).get("buckets", []):
-        if bucket.self is None:
+        # A function target's bucket is owned by its function object (closures of
+        # one code object are different owners).
+        if bucket.self is fn:
             yield bucket
 
 

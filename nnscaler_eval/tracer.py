@@ -868,9 +868,14 @@ class Tracer(TorchFunctionMode):
             entry = self._live.pop(id(module), None)
             if entry is not None:
                 hidden[id(module)] = entry
+        # Code run for real here shapes no graph: the functions it runs are not
+        # recorded for value guards (a hook appending to a list would otherwise be
+        # guarded and recapture on every call).
+        paused = _C.record_functions_pause()
         try:
             yield
         finally:
+            _C.record_functions_resume(paused)
             if self.fallback is None:
                 self._live.update(hidden)
             self._suspended -= 1
