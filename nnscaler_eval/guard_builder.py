@@ -18,12 +18,13 @@ import torch
 from nnscaler_eval import state_guards
 from nnscaler_eval._install import global_hook_items
 
-# The module tree: `_modules` by version (strict); `_parameters` and `_buffers` by
-# value (the same objects under the same names): FSDP2 swaps sharded and unsharded
-# parameters in and out of `_parameters` around every step, and the graph reads them
-# live (get_attr), so only a different object under a name may change the result.
-TREE_DICTS = ("_modules",)
-TENSOR_DICTS = ("_parameters", "_buffers")
+# The module tree and the hook dicts are guarded by value: the same objects under
+# exactly the same keys, re-validated when the dict's version moved. By version alone
+# they recaptured when nothing had changed in the end: FSDP2 swaps sharded and
+# unsharded parameters in and out of `_parameters` around every step (the graph reads
+# them live), and transformers registers hooks for the length of a call and removes
+# them (`output_capturing`), leaving the hook dicts as they were.
+TREE_DICTS = ("_modules", "_parameters", "_buffers")
 # torch writes _forward_hooks / _forward_pre_hooks on every register and remove
 # (the *_with_kwargs / *_always_called dicts only ever change together with them:
 # register_forward_hook and RemovableHandle(extra_dict=...)), so those two stand for
@@ -69,30 +70,24 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_
     guards = StateGuards([], [], [])
     seen: set[int] = set()
 
+    tree_specs: list[tuple[Any, ...]] = []
+    tree_names: list[str] = []
+
     def add_dict(d: Any, label: str) -> None:
         if isinstance(d, dict) and id(d) not in seen:
             seen.add(id(d))
-            guards.dicts.append(d)
-            guards.names.append(label)
+            tree_specs.append((state_guards.VG_DICT, d, tuple(d), tuple(d.values()),
+                               state_guards.MISSING, None, True))
+            tree_names.append(f"{label}: the same {len(d)} entries")
 
     modules = list(capture.visited_modules)
     if root is not None and all(m is not root for m in modules):
         modules.insert(0, root)
-    tensor_specs: list[tuple[Any, ...]] = []
-    tensor_names: list[str] = []
     for module in modules:
         label = module_label(module, names)
         attrs = module.__dict__
         for attr in TREE_DICTS:
             add_dict(attrs.get(attr), f"{label}.{attr} ({type(module).__name__})")
-        for attr in TENSOR_DICTS:
-            d = attrs.get(attr)
-            if isinstance(d, dict) and id(d) not in seen:
-                seen.add(id(d))
-                tensor_specs.append((state_guards.VG_DICT, d, tuple(d), tuple(d.values()),
-                                     state_guards.MISSING, None, True))
-                tensor_names.append(f"{label}.{attr} ({type(module).__name__}): "
-                                    f"the same {len(d)} objects")
         if not skip_hook_guards:
             for attr in HOOK_DICTS:
                 add_dict(attrs.get(attr), f"{label}.{attr} ({type(module).__name__})")
@@ -109,8 +104,8 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_
         guards.flags.append((module, bool(value)))
     for module, value in guards.flags:
         guards.names.append(f"{module_label(module, names)}.training == {value}")
-    guards.values = tensor_specs
-    guards.names += tensor_names
+    guards.values = tree_specs
+    guards.names += tree_names
     if reads is not None:
         _add_value_guards(guards, reads)
     return guards
