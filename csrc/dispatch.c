@@ -35,7 +35,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n)
     memcpy(args, slots, sizeof(PyObject *) * (size_t)n);
     for (Py_ssize_t i = 0; i < nflags; i++) {
         /* Liveness was checked by the guards; a borrowed bool is enough here. */
-        PyObject *module = PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry->training_refs, i));
+        PyObject *module = nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i));
         PyObject *flag = cache_read_training(module);
         if (flag == NULL) {
             goto done;

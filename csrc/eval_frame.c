@@ -239,7 +239,7 @@ run_rewritten(PyThreadState *ts, NnsFrame *frame, CodeState *cs, int throw_flag)
 }
 
 static PyObject *
-nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+eval_frame_armed(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
     ThreadArm *arm = &tls_arm;
     if (arm->config == NULL || throw_flag) {
@@ -287,6 +287,19 @@ nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
         return run_rewritten(ts, frame, cs, throw_flag);
     }
     return run_default(ts, frame, throw_flag);
+}
+
+static PyObject *
+nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+{
+    if (tls_arm.config == NULL || throw_flag) {
+        return run_default(ts, frame, throw_flag);
+    }
+    /* A frame we return for without running it is ours to clear and pop on 3.12+
+     * (compat.h, nns_frame_run_enter). */
+    NnsFrameRun run;
+    nns_frame_run_enter(&run, frame);
+    return nns_frame_run_leave(ts, &run, eval_frame_armed(ts, frame, throw_flag));
 }
 
 /* Used by dispatch.c: run the frame eagerly (its rewritten code if any), the hook
