@@ -41,10 +41,11 @@ PyCodeObject *nns_frame_code(NnsFrame *frame);
 PyObject *nns_frame_function(NnsFrame *frame);   /* the PyFunctionObject, or NULL */
 /* The frame's argument slots as an array of PyObject *: entries [0, n) where n is
  * the code's parameter count (+1 for *args, +1 for **kwargs) are the bound arguments
- * (borrowed, never NULL); later entries must not be read.  On 3.14 the slots are
- * tagged _PyStackRef values: this call turns the argument slots, in place, into
- * plain owned references (an equivalent stack reference), so the array is valid
- * until the frame is run or discarded. */
+ * (borrowed, never NULL); later entries must not be read.  Only inside the
+ * frame's nns_frame_run_enter/leave bracket (below), and valid until it is left.
+ * On 3.14 the slots are tagged _PyStackRef values (a set low bit marks a reference
+ * not counted on the object, e.g. an immortal; the tags must stay, the interpreter
+ * compares tagged bits): the array is then an untagged copy kept in the bracket. */
 PyObject **nns_frame_localsplus(NnsFrame *frame);
 /* True when the frame belongs to a generator/coroutine (never intercepted). */
 int nns_frame_is_generator(NnsFrame *frame);
@@ -73,6 +74,9 @@ typedef struct NnsFrameRun {
     NnsFrame *frame;
     int handed;
     struct NnsFrameRun *outer;
+    /* 3.14: the argument slots untagged (see nns_frame_localsplus), or NULL */
+    PyObject **args;
+    PyObject *args_small[8];
 } NnsFrameRun;
 void nns_frame_run_enter(NnsFrameRun *run, NnsFrame *frame);
 PyObject *nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *result);
@@ -97,6 +101,8 @@ uint64_t nns_dict_version(PyObject *dict);
 void nns_frame_clear_and_pop(PyThreadState *ts, NnsFrame *frame);
 /* Used only by the compat files: nns_eval_frame_default() calls it first. */
 void nns_frame_run_mark_handed(NnsFrame *frame);
+/* Used only by the compat files: the innermost bracket, if it is `frame`'s. */
+NnsFrameRun *nns_frame_run_of(NnsFrame *frame);
 
 /* The code-object extra-data API (PEP 523), renamed PyUnstable_* in 3.12 with the
  * old private names deprecated. */

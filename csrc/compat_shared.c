@@ -19,7 +19,14 @@ nns_frame_run_enter(NnsFrameRun *run, NnsFrame *frame)
     run->frame = frame;
     run->handed = 0;
     run->outer = current_run;
+    run->args = NULL;
     current_run = run;
+}
+
+NnsFrameRun *
+nns_frame_run_of(NnsFrame *frame)
+{
+    return current_run != NULL && current_run->frame == frame ? current_run : NULL;
 }
 
 void
@@ -36,6 +43,10 @@ PyObject *
 nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *result)
 {
     current_run = run->outer;
+    if (run->args != run->args_small) {
+        PyMem_Free(run->args);
+    }
+    run->args = NULL;
     if (!run->handed) {
         nns_frame_clear_and_pop(ts, run->frame);
     }
