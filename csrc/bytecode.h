@@ -33,6 +33,16 @@ typedef struct {
     int end_col;
 } NnsLocation;
 
+static inline int
+bytecode_same_location(const NnsLocation *a, const NnsLocation *b)
+{
+    if (!a->has_line || !b->has_line) {
+        return a->has_line == b->has_line;
+    }
+    return a->line == b->line && a->end_line == b->end_line && a->col == b->col
+           && a->end_col == b->end_col;
+}
+
 /* The exception handler covering an instruction (co_exceptiontable entry). */
 typedef struct {
     int target;         /* instruction index of the handler; -1: no handler */

@@ -180,6 +180,9 @@ typedef struct {
     /* 1 when the compiler copies small exit blocks into the branches jumping to them
      * (3.12+: Python/flowgraph.c, inline_small_or_no_lineno_blocks) */
     int exit_blocks_copied;
+    /* 1 when the compiler writes one location entry for a run of instructions with
+     * the same location (3.12+), 0 for one per instruction (3.11) */
+    int linetable_merges_runs;
     int have_argument;        /* opcodes >= this take an argument */
 } NnsOpcodes;
 

@@ -105,6 +105,7 @@ const NnsOpcodes nns_opcodes = {
     .call_null_below_callable = 1,
     .op_pop_top = POP_TOP,
     .exit_blocks_copied = 0,
+    .linetable_merges_runs = 0,
     .have_argument = HAVE_ARGUMENT,
 };
 

@@ -143,6 +143,7 @@ const NnsOpcodes nns_opcodes = {
     .call_null_below_callable = 0,
     .op_pop_top = POP_TOP,
     .exit_blocks_copied = 1,
+    .linetable_merges_runs = 1,
     .have_argument = HAVE_ARGUMENT,
 };
 

@@ -269,9 +269,12 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
     return exits > 0;
 }
 
-/* The longest exit block the compiler copies into a branch (CPython's
- * MAX_COPY_SIZE in Python/flowgraph.c is 4; a little slack costs nothing). */
-#define MAX_COPIED_EXIT 6
+/* The longest exit block (with line numbers) the compiler copies into a branch:
+ * MAX_COPY_SIZE in CPython's Python/flowgraph.c.  No longer: a longer common tail
+ * of two branches is the code after an `if` statement, e.g. the shared
+ * `.method(arg); return arg` of `if self.training: self.a.method(arg) else:
+ * self.b.method(arg)`, which must stay a statement. */
+#define MAX_COPIED_EXIT 4
 
 /* 3.12+ copy a small block that ends the function (`STORE_FAST y; LOAD_FAST y;
  * RETURN_VALUE`, or a bare RETURN_VALUE) into the branch that would have jumped to
@@ -279,9 +282,11 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
  *
  *     first: <a>; <exit copy>; second: <b>; join: <exit>
  *
- * Finds that shape: [*first_end, second) is a copy (same opcodes, opargs and
- * handlers, no jumps, ending the function) of the `join` block right after the
- * second branch, and both branches are value branches ending there.  The copy is
+ * Finds that shape: [*first_end, second) is a copy (same opcodes, opargs, source
+ * locations and handlers, no jumps, ending the function) of the `join` block right
+ * after the second branch, and both branches are value branches ending there.  The
+ * locations tell a copy from the two `return` statements of an `if self.training:`
+ * statement, whose tails may have the same instructions but not the same lines.  The copy is
  * dropped by the rewrite.  An exit copy starting with POP_TOP is not taken: the
  * value is then discarded, and the bytecode is that of an `if self.training:`
  * statement (left alone, as on 3.11). */
@@ -312,6 +317,7 @@ find_copied_exit(const NnsInstrList *list, int first, int second, const NnsHandl
             for (int i = 0; i < len && same; i++) {
                 same = items[end + i].opcode == items[copy + i].opcode
                        && items[end + i].oparg == items[copy + i].oparg
+                       && bytecode_same_location(&items[end + i].loc, &items[copy + i].loc)
                        && bytecode_same_handler(&items[end + i].handler,
                                                 &items[copy + i].handler);
             }
@@ -362,7 +368,9 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
     int second = test->target;
     int first_end = second - 1;
     for (int k = cond + 1; k < first; k++) {
-        if (!bytecode_same_handler(&items[k].handler, handler)) {
+        /* 3.14 leaves NOT_TAKEN (which cannot raise) out of the exception table */
+        if (items[k].opcode != nns_opcodes.op_not_taken
+            && !bytecode_same_handler(&items[k].handler, handler)) {
             return 0;
         }
     }
