@@ -67,7 +67,7 @@ leakcheck: build
 	$(PY) -m pytest -q tests/test_leaks.py tests/test_rewrite_leaks.py tests/test_cache_entry.py --run-slow
 
 fuzz: build
-	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q tests/test_rewrite_fuzz.py
+	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q -s tests/test_rewrite_fuzz.py
 
 # The suite on CPython 3.13 / 3.14; a clear SKIP (success) without the interpreters.
 test-3.13 test-3.14:
