@@ -32,6 +32,11 @@
 #  error "nnscaler-eval: unaudited CPython version; frame internals must be checked first"
 #endif
 
+#ifdef Py_GIL_DISABLED
+/* The evaluator's per-thread state and the dict-watcher side table rely on the GIL. */
+#  error "nnscaler-eval: free-threaded CPython builds are not supported"
+#endif
+
 /* The frame type handed to a PEP 523 evaluator. Opaque outside compat_py3XX.c. */
 struct _PyInterpreterFrame;
 typedef struct _PyInterpreterFrame NnsFrame;
