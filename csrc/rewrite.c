@@ -39,10 +39,20 @@
  * Nothing outside the site may jump into it, and the whole site must sit under one
  * exception handler.
  *
+ * Later versions (opcode names from compat.h): 3.12 drops the FORWARD from the jump
+ * names and JUMP_IF_*_OR_POP altogether (`or` is COPY; POP_JUMP_IF_TRUE; POP_TOP);
+ * 3.13 puts TO_BOOL before the conditional jump and may fuse `LOAD_FAST x; LOAD_FAST
+ * self` into LOAD_FAST_LOAD_FAST (split back before matching); 3.14 loads with
+ * LOAD_FAST_BORROW and adds NOT_TAKEN after the jump (dropped with it).  From 3.12 on
+ * the compiler also copies a small exit block (`return <value>`) into the first
+ * branch instead of jumping to it: find_copied_exit() recognises that copy.
+ *
  * The rewritten site, in the original's textual order:
  *
  *     PUSH_NULL; LOAD_CONST ifexpr; LOAD self; LOAD_ATTR training; <a>; <b>;
  *     [SWAP 2 when negated]; PRECALL 3; CALL 3
+ *
+ * (3.12: no PRECALL; 3.13+: LOAD_CONST ifexpr before PUSH_NULL, no PRECALL.)
  *
  * Jumps that left the first branch now go to the start of <b>; jumps that left the
  * second go to the instruction after <b>; a threaded POP_JUMP_IF_FALSE exit turns
