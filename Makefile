@@ -4,17 +4,25 @@
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
 #   make leakcheck  refcount/memory soak of the C paths
 #   make fuzz    long differential fuzzing of the bytecode rewrite
+#   make test-3.13 / test-3.14   the suite on another CPython (interpreters unpacked
+#                from ../shared/python/; skipped with a message when absent)
+#   PYV=3.13 / PYV=3.14 with build, test or fuzz: that version's venv (.venv-3.13 ...)
 #   make bench / bench-quick  side-by-side benchmarks (benchmarks/)
 #   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
 #                .venv-nnscaler: install order/uninstall checks, parallelize end to end
 PYTHON ?= python3
+PYV ?=
+ifeq ($(PYV),)
 VENV ?= .venv
+else
+VENV := .venv-$(PYV)
+endif
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick lint clean sysdeps \
-	test-nnscaler nnscaler-env
+	test-nnscaler nnscaler-env test-3.13 test-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
 # fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
@@ -42,7 +50,13 @@ $(VENV)/.deps: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)" pytest numpy matplotlib "transformers>=5,<6"
 	touch $@
 
+ifeq ($(PYV),)
 venv: $(VENV)/.deps
+else
+# another CPython: unpack it, make the venv, install PyPI's torch (.ci/pyenv.sh)
+venv:
+	.ci/pyenv.sh $(PYV) $(VENV)
+endif
 
 build: sysdeps venv
 	NNSCALER_WERROR=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
@@ -57,7 +71,7 @@ demo: build
 test: build
 	@status=0; \
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || status=$$?; \
-	$(MAKE) test-nnscaler || status=$$?; \
+	if [ -z "$(PYV)" ]; then $(MAKE) test-nnscaler || status=$$?; fi; \
 	exit $$status
 
 # .venv-nnscaler: torch (kept at TORCH_SPEC), nnScaler's wheel --no-deps, nnscaler-eval
@@ -112,7 +126,13 @@ leakcheck: build
 	$(PY) -m pytest -q tests/test_leaks.py tests/test_rewrite_leaks.py tests/test_cache_entry.py --run-slow
 
 fuzz: build
-	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q tests/test_rewrite_fuzz.py
+	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q -s tests/test_rewrite_fuzz.py
+
+# The suite on CPython 3.13 / 3.14; a clear SKIP (success) without the interpreters.
+test-3.13 test-3.14:
+	@if .ci/pyenv.sh --check $(@:test-%=%); then \
+	  $(MAKE) --no-print-directory PYV=$(@:test-%=%) test; \
+	fi
 
 bench-quick: build
 	$(PY) -m pip install -q matplotlib

@@ -735,14 +735,21 @@ emit_location_table(PyCodeObject *code, const NnsInstrList *list, const int *off
     ByteBuffer buf = {NULL, 0, 0};
     int prev_line = code->co_firstlineno;
 
-    /* One entry (or more, 8 units each) per instruction, as the compiler writes them:
-     * co_lines() reports entry boundaries, so merging neighbours with one location
-     * would change what it yields. */
-    for (int k = 0; k < list->n; k++) {
-        if (put_location_run(&buf, &list->items[k].loc, offsets[k + 1] - offsets[k],
-                             &prev_line) < 0) {
+    /* As the compiler writes them: 3.11 gives each instruction its own entry (or
+     * more, 8 units each); 3.12+ give one run to consecutive instructions with the
+     * same location (Python/assemble.c, assemble_location_info).  co_lines() reports
+     * entry boundaries, so the choice shows. */
+    for (int k = 0; k < list->n;) {
+        const NnsLocation *loc = &list->items[k].loc;
+        int end = k + 1;
+        while (nns_opcodes.linetable_merges_runs && end < list->n
+               && bytecode_same_location(loc, &list->items[end].loc)) {
+            end++;
+        }
+        if (put_location_run(&buf, loc, offsets[end] - offsets[k], &prev_line) < 0) {
             goto done;
         }
+        k = end;
     }
     result = PyBytes_FromStringAndSize((const char *)buf.data, buf.len);
 

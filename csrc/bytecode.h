@@ -13,7 +13,8 @@
  * code.replace() so that every field it does not produce stays as it was.
  *
  * The location table (PEP 657) and exception table formats are those of CPython 3.11,
- * unchanged in 3.12 and 3.13; opcode numbers and cache sizes come from compat.h.
+ * unchanged through 3.14 (3.12+ write one location entry per run of equal
+ * locations); opcode numbers, cache sizes and such choices come from compat.h.
  *
  * Ownership: every function returning PyObject * returns a NEW reference, or NULL
  * with an exception set.  Functions returning int return 0 on success and -1 with an
@@ -32,6 +33,16 @@ typedef struct {
     int col;
     int end_col;
 } NnsLocation;
+
+static inline int
+bytecode_same_location(const NnsLocation *a, const NnsLocation *b)
+{
+    if (!a->has_line || !b->has_line) {
+        return a->has_line == b->has_line;
+    }
+    return a->line == b->line && a->end_line == b->end_line && a->col == b->col
+           && a->end_col == b->end_col;
+}
 
 /* The exception handler covering an instruction (co_exceptiontable entry). */
 typedef struct {

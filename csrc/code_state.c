@@ -21,7 +21,7 @@ code_state_init(void)
     if (nns_globals.code_extra_index >= 0) {
         return 0;
     }
-    Py_ssize_t index = _PyEval_RequestCodeExtraIndex(code_state_free);
+    Py_ssize_t index = nns_code_request_extra_index(code_state_free);
     if (index < 0) {
         PyErr_SetString(PyExc_RuntimeError, "nnscaler: no co_extra slot left");
         return -1;
@@ -34,7 +34,7 @@ CodeState *
 code_state_peek(PyCodeObject *code)
 {
     void *extra = NULL;
-    if (_PyCode_GetExtra((PyObject *)code, nns_globals.code_extra_index, &extra) < 0) {
+    if (nns_code_get_extra((PyObject *)code, nns_globals.code_extra_index, &extra) < 0) {
         PyErr_Clear();
         return NULL;
     }
@@ -49,7 +49,7 @@ code_state_new(PyCodeObject *code)
         PyErr_NoMemory();
         return NULL;
     }
-    if (_PyCode_SetExtra((PyObject *)code, nns_globals.code_extra_index, cs) < 0) {
+    if (nns_code_set_extra((PyObject *)code, nns_globals.code_extra_index, cs) < 0) {
         PyMem_Free(cs);
         return NULL;
     }

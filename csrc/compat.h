@@ -16,15 +16,25 @@
 #include <Python.h>
 
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-/* CPython 3.11: audited against v3.11.7 (Include/internal/pycore_frame.h,
- * Python/ceval.c).  Primary version, fully tested. */
+/* CPython 3.11: audited against v3.11.7 (compat_py311.c). Tested. */
 #  define NNS_PY311 1
 #elif PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030D0000
-#  error "nnscaler-eval: CPython 3.12 is not audited yet (no 3.12 interpreter to test with)"
-#elif PY_VERSION_HEX >= 0x030D0000 && PY_VERSION_HEX < 0x030F0000
-#  error "nnscaler-eval: CPython 3.13/3.14 support is not written yet; see README 'Status'"
+/* CPython 3.12: written from v3.12.7's sources (compat_py312.c). UNTESTED: no 3.12
+ * interpreter was available where it was written. */
+#  define NNS_PY312 1
+#elif PY_VERSION_HEX >= 0x030D0000 && PY_VERSION_HEX < 0x030E0000
+/* CPython 3.13: audited against v3.13.15 (compat_py313.c). Tested. */
+#  define NNS_PY313 1
+#elif PY_VERSION_HEX >= 0x030E0000 && PY_VERSION_HEX < 0x030F0000
+/* CPython 3.14: audited against v3.14.10 (compat_py314.c). Tested. */
+#  define NNS_PY314 1
 #else
 #  error "nnscaler-eval: unaudited CPython version; frame internals must be checked first"
+#endif
+
+#ifdef Py_GIL_DISABLED
+/* The evaluator's per-thread state and the dict-watcher side table rely on the GIL. */
+#  error "nnscaler-eval: free-threaded CPython builds are not supported"
 #endif
 
 /* The frame type handed to a PEP 523 evaluator. Opaque outside compat_py3XX.c. */
@@ -34,18 +44,121 @@ typedef struct _PyInterpreterFrame NnsFrame;
 /* Frame accessors (borrowed). */
 PyCodeObject *nns_frame_code(NnsFrame *frame);
 PyObject *nns_frame_function(NnsFrame *frame);   /* the PyFunctionObject, or NULL */
+/* The frame's argument slots as an array of PyObject *: entries [0, n) where n is
+ * the code's parameter count (+1 for *args, +1 for **kwargs) are the bound arguments
+ * (borrowed, never NULL); later entries must not be read.  Only inside the
+ * frame's nns_frame_run_enter/leave bracket (below), and valid until it is left.
+ * On 3.14 the slots are tagged _PyStackRef values (a set low bit marks a reference
+ * not counted on the object, e.g. an immortal; the tags must stay, the interpreter
+ * compares tagged bits): the array is then an untagged copy kept in the bracket. */
 PyObject **nns_frame_localsplus(NnsFrame *frame);
 /* True when the frame belongs to a generator/coroutine (never intercepted). */
 int nns_frame_is_generator(NnsFrame *frame);
 
-/* The default evaluator of this interpreter version. */
+/* The default evaluator of this interpreter version.  Also records, for the
+ * enclosing nns_frame_run_leave(), that `frame` was handed over (CPython then clears
+ * and pops it). */
 PyObject *nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag);
 /* Inside a trace or profile callback right now (frames started there are left alone). */
 int nns_thread_in_trace_callback(PyThreadState *ts);
 
-/* Dict version: a number that changes whenever the dict is modified. On 3.11 this is
- * ma_version_tag (PEP 509). */
+/* Bracket around a PEP 523 evaluator that may return without running its frame:
+ *
+ *     NnsFrameRun run;
+ *     nns_frame_run_enter(&run, frame);
+ *     result = ... (maybe nns_eval_frame_default(ts, frame, ...), maybe not) ...;
+ *     return nns_frame_run_leave(ts, &run, result);
+ *
+ * On 3.11 _PyEval_Vector clears and pops the frame after the evaluator returns; from
+ * 3.12 on the evaluator owns that, and a frame not handed to the default evaluator
+ * must be cleared and popped by whoever returns for it.  nns_frame_run_leave does
+ * that when nns_eval_frame_default(frame) was not called in between (a no-op on
+ * 3.11).  Brackets nest per thread; `run` lives on the caller's C stack.  Returns
+ * `result` (ownership passes through; an exception set with NULL stays set). */
+typedef struct NnsFrameRun {
+    NnsFrame *frame;
+    int handed;
+    struct NnsFrameRun *outer;
+    /* 3.14: the argument slots untagged (see nns_frame_localsplus), or NULL */
+    PyObject **args;
+    PyObject *args_small[8];
+} NnsFrameRun;
+void nns_frame_run_enter(NnsFrameRun *run, NnsFrame *frame);
+PyObject *nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *result);
+
+/* "Has this dict changed since I looked?"  nns_dict_version(dict) returns a number;
+ * a later call returns a different number if the dict was modified in between (any
+ * insert, update, delete, clear or clone into it).  Numbers are never reused for
+ * another dict, so a snapshot taken from a dict that was freed and whose address was
+ * reused does not match the new dict.  Never raises.
+ *   3.11: ma_version_tag (PEP 509), free.
+ *   3.12+: version tags are deprecated (3.12, 3.13) and gone (3.14): the first call
+ *   on a dict starts watching it with a PyDict watcher (one per process, never
+ *   removed) and records it in a side table, dict -> number; the watcher gives the
+ *   dict a new number on every change and drops it from the table when the dict is
+ *   freed.  If the side table cannot grow (no memory) the call returns a fresh
+ *   number each time, so a guard built on it fails closed (a cache miss). */
 uint64_t nns_dict_version(PyObject *dict);
+
+/* Used only by the compat files: clear a frame that was never run and pop it off
+ * the thread's frame stack (what the default evaluator does on exit).  A no-op on
+ * 3.11, where _PyEval_Vector does it. */
+void nns_frame_clear_and_pop(PyThreadState *ts, NnsFrame *frame);
+/* Used only by the compat files: nns_eval_frame_default() calls it first. */
+void nns_frame_run_mark_handed(NnsFrame *frame);
+/* Used only by the compat files: the innermost bracket, if it is `frame`'s. */
+NnsFrameRun *nns_frame_run_of(NnsFrame *frame);
+
+/* The code-object extra-data API (PEP 523), renamed PyUnstable_* in 3.12 with the
+ * old private names deprecated. */
+static inline Py_ssize_t
+nns_code_request_extra_index(freefunc free_extra)
+{
+#ifdef NNS_PY311
+    return _PyEval_RequestCodeExtraIndex(free_extra);
+#else
+    return PyUnstable_Eval_RequestCodeExtraIndex(free_extra);
+#endif
+}
+
+static inline int
+nns_code_get_extra(PyObject *code, Py_ssize_t index, void **extra)
+{
+#ifdef NNS_PY311
+    return _PyCode_GetExtra(code, index, extra);
+#else
+    return PyUnstable_Code_GetExtra(code, index, extra);
+#endif
+}
+
+static inline int
+nns_code_set_extra(PyObject *code, Py_ssize_t index, void *extra)
+{
+#ifdef NNS_PY311
+    return _PyCode_SetExtra(code, index, extra);
+#else
+    return PyUnstable_Code_SetExtra(code, index, extra);
+#endif
+}
+
+/* The object a weak reference points to, borrowed, or Py_None once it is dead: what
+ * PyWeakref_GET_OBJECT gave before 3.13 deprecated it.  Never raises. */
+static inline PyObject *
+nns_weakref_object(PyObject *ref)
+{
+#if defined(NNS_PY311) || defined(NNS_PY312)
+    return PyWeakref_GET_OBJECT(ref);
+#else
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(ref, &obj) <= 0) {
+        PyErr_Clear();
+        return Py_None;
+    }
+    /* the referent is alive and referenced elsewhere: dropping ours leaves it so */
+    Py_DECREF(obj);
+    return obj;
+#endif
+}
 
 /* ---- bytecode tables (filled per version) ---- */
 typedef struct {
@@ -53,11 +166,28 @@ typedef struct {
     /* opcode numbers this project emits or matches; -1 when absent in a version */
     int op_cache, op_extended_arg, op_nop;
     int op_load_fast, op_load_deref, op_load_classderef, op_load_attr, op_load_const;
+    int op_load_fast_check;   /* 3.12+ */
+    int op_load_fast_borrow;  /* 3.14 */
+    /* superinstructions loading two locals (3.13+): oparg >> 4, then oparg & 15;
+     * each splits into two of the matching single load */
+    int op_load_fast_load_fast, op_load_fast_borrow_load_fast_borrow;
     int op_pop_jump_forward_if_false, op_pop_jump_forward_if_true;
+    int op_to_bool;           /* 3.13+: turns the condition into a bool before a jump */
+    int op_not_taken;         /* 3.14: marks the fall-through edge of a branch */
     int op_jump_forward, op_jump_backward, op_jump_backward_no_interrupt;
     int op_push_null, op_precall, op_call, op_call_function_ex, op_swap;
     int op_store_fast, op_kw_names, op_copy;
     int op_jump_if_true_or_pop, op_jump_if_false_or_pop;
+    /* Call shape: 1 when the NULL goes below the callable (3.11, 3.12: PUSH_NULL,
+     * callable, args), 0 when above it (3.13+: callable, NULL, args). */
+    int call_null_below_callable;
+    int op_pop_top;
+    /* 1 when the compiler copies small exit blocks into the branches jumping to them
+     * (3.12+: Python/flowgraph.c, inline_small_or_no_lineno_blocks) */
+    int exit_blocks_copied;
+    /* 1 when the compiler writes one location entry for a run of instructions with
+     * the same location (3.12+), 0 for one per instruction (3.11) */
+    int linetable_merges_runs;
     int have_argument;        /* opcodes >= this take an argument */
 } NnsOpcodes;
 
@@ -83,7 +213,7 @@ PyObject *nns_code_localsplus_name(PyCodeObject *code, int index);
 /* Index into co_names named by a LOAD_ATTR oparg (3.12 moved a flag into bit 0). */
 int nns_load_attr_name_index(int oparg);
 /* Stack depth on entry to the code's first instruction, for stack-depth analysis.
- * Non-zero for generator-like code on 3.11: RETURN_GENERATOR's table effect is 0,
+ * Non-zero for generator-like code on 3.11 (and 3.12): RETURN_GENERATOR's table effect is 0,
  * yet the resumed frame finds the sent value on the stack (popped by the next
  * POP_TOP). */
 int nns_code_entry_stack_depth(PyCodeObject *code);

@@ -42,7 +42,15 @@ nns_frame_is_generator(NnsFrame *frame)
 PyObject *
 nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
+    nns_frame_run_mark_handed(frame);
     return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
+}
+
+void
+nns_frame_clear_and_pop(PyThreadState *Py_UNUSED(ts), NnsFrame *Py_UNUSED(frame))
+{
+    /* 3.11: _PyEval_Vector clears and pops the frame after the evaluator returns,
+     * whether or not the evaluator ran it (Python/ceval.c, _PyEval_Vector). */
 }
 
 int
@@ -73,6 +81,12 @@ const NnsOpcodes nns_opcodes = {
     .op_load_classderef = LOAD_CLASSDEREF,
     .op_load_attr = LOAD_ATTR,
     .op_load_const = LOAD_CONST,
+    .op_load_fast_check = -1,
+    .op_load_fast_borrow = -1,
+    .op_load_fast_load_fast = -1,
+    .op_load_fast_borrow_load_fast_borrow = -1,
+    .op_to_bool = -1,
+    .op_not_taken = -1,
     .op_pop_jump_forward_if_false = POP_JUMP_FORWARD_IF_FALSE,
     .op_pop_jump_forward_if_true = POP_JUMP_FORWARD_IF_TRUE,
     .op_jump_forward = JUMP_FORWARD,
@@ -88,6 +102,10 @@ const NnsOpcodes nns_opcodes = {
     .op_copy = COPY,
     .op_jump_if_true_or_pop = JUMP_IF_TRUE_OR_POP,
     .op_jump_if_false_or_pop = JUMP_IF_FALSE_OR_POP,
+    .call_null_below_callable = 1,
+    .op_pop_top = POP_TOP,
+    .exit_blocks_copied = 0,
+    .linetable_merges_runs = 0,
     .have_argument = HAVE_ARGUMENT,
 };
 

@@ -26,7 +26,7 @@ static inline PyObject *
 record_config(PyObject *record)
 {
     PyObject *key = PyTuple_GET_ITEM(record, 0);
-    return PyWeakref_CheckRef(key) ? PyWeakref_GET_OBJECT(key) : key;
+    return PyWeakref_CheckRef(key) ? nns_weakref_object(key) : key;
 }
 
 /* Borrowed bucket list of `config` in `cs`, or NULL when there is none yet.
@@ -140,7 +140,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
     for (Py_ssize_t i = 0; i < nflags; i++) {
         /* The guards saw every module alive, but reading an earlier flag may have
          * run Python that dropped this one: held across its own read. */
-        PyObject *module = PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry->training_refs, i));
+        PyObject *module = nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i));
         if (module == Py_None) {
             *stale = 1;
             goto done;

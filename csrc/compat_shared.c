@@ -1,0 +1,192 @@
+/* compat_shared.c - compat-layer code that is the same on every CPython version.
+ *
+ *   - the evaluator bracket (nns_frame_run_enter/leave), which decides whether a
+ *     frame must be cleared and popped by us (compat.h);
+ *   - the dict-change tracker behind nns_dict_version() on 3.12+, built on the
+ *     public dict-watcher API (PyDict_AddWatcher, PEP 509's successor).
+ * No CPython internals here: the per-version files hold those.
+ */
+#include "compat.h"
+
+/* ---------------------------------------------------------------- frame runs */
+
+/* Innermost open bracket of this thread (a chain through the C stack). */
+static _Thread_local NnsFrameRun *current_run;
+
+void
+nns_frame_run_enter(NnsFrameRun *run, NnsFrame *frame)
+{
+    run->frame = frame;
+    run->handed = 0;
+    run->outer = current_run;
+    run->args = NULL;
+    current_run = run;
+}
+
+NnsFrameRun *
+nns_frame_run_of(NnsFrame *frame)
+{
+    return current_run != NULL && current_run->frame == frame ? current_run : NULL;
+}
+
+void
+nns_frame_run_mark_handed(NnsFrame *frame)
+{
+    /* Only the innermost bracket can own `frame`: a frame the default evaluator runs
+     * for a nested call has its own bracket, or none (the unarmed fast path). */
+    if (current_run != NULL && current_run->frame == frame) {
+        current_run->handed = 1;
+    }
+}
+
+PyObject *
+nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *result)
+{
+    current_run = run->outer;
+    if (run->args != run->args_small) {
+        PyMem_Free(run->args);
+    }
+    run->args = NULL;
+    if (!run->handed) {
+        nns_frame_clear_and_pop(ts, run->frame);
+    }
+    return result;
+}
+
+/* ---------------------------------------------------------------- dict changes */
+
+#ifndef NNS_PY311
+
+/* Open-addressing table, dict address -> number given at its last change.  Keys are
+ * addresses only (no references): the watcher removes a dict when it is freed. */
+typedef struct {
+    PyObject *dict;     /* NULL: empty; TOMBSTONE: removed */
+    uint64_t version;
+} WatchSlot;
+
+#define TOMBSTONE ((PyObject *)1)
+
+static WatchSlot *watch_slots;
+static size_t watch_cap;        /* power of two, or 0 */
+static size_t watch_used;       /* live + tombstones */
+static uint64_t watch_clock;    /* last number handed out */
+static int watcher_id = -1;
+
+static size_t
+slot_hash(PyObject *dict)
+{
+    uintptr_t h = (uintptr_t)dict >> 4;
+    return (size_t)(h ^ (h >> 17) ^ (h >> 31));
+}
+
+/* The slot holding `dict`, or NULL. */
+static WatchSlot *
+watch_find(PyObject *dict)
+{
+    if (watch_cap == 0) {
+        return NULL;
+    }
+    for (size_t i = slot_hash(dict) & (watch_cap - 1);; i = (i + 1) & (watch_cap - 1)) {
+        if (watch_slots[i].dict == dict) {
+            return &watch_slots[i];
+        }
+        if (watch_slots[i].dict == NULL) {
+            return NULL;
+        }
+    }
+}
+
+/* Rebuild with room for `need` entries; 0 / -1 (no memory, table unchanged). */
+static int
+watch_grow(size_t need)
+{
+    size_t cap = 64;
+    while (cap < 2 * need + 2) {
+        cap *= 2;
+    }
+    WatchSlot *slots = PyMem_RawCalloc(cap, sizeof(WatchSlot));
+    if (slots == NULL) {
+        return -1;
+    }
+    size_t used = 0;
+    for (size_t k = 0; k < watch_cap; k++) {
+        PyObject *d = watch_slots[k].dict;
+        if (d == NULL || d == TOMBSTONE) {
+            continue;
+        }
+        size_t i = slot_hash(d) & (cap - 1);
+        while (slots[i].dict != NULL) {
+            i = (i + 1) & (cap - 1);
+        }
+        slots[i] = watch_slots[k];
+        used++;
+    }
+    PyMem_RawFree(watch_slots);
+    watch_slots = slots;
+    watch_cap = cap;
+    watch_used = used;
+    return 0;
+}
+
+/* Insert `dict` (not present); NULL when out of memory. */
+static WatchSlot *
+watch_insert(PyObject *dict)
+{
+    if ((watch_used + 1) * 2 > watch_cap && watch_grow(watch_used + 1) < 0) {
+        return NULL;
+    }
+    size_t i = slot_hash(dict) & (watch_cap - 1);
+    while (watch_slots[i].dict != NULL && watch_slots[i].dict != TOMBSTONE) {
+        i = (i + 1) & (watch_cap - 1);
+    }
+    if (watch_slots[i].dict == NULL) {
+        watch_used++;
+    }
+    watch_slots[i].dict = dict;
+    return &watch_slots[i];
+}
+
+static int
+on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *Py_UNUSED(key),
+              PyObject *Py_UNUSED(new_value))
+{
+    WatchSlot *slot = watch_find(dict);
+    if (slot == NULL) {
+        return 0;   /* watched before the table lost it (out of memory): fail closed */
+    }
+    if (event == PyDict_EVENT_DEALLOCATED) {
+        slot->dict = TOMBSTONE;
+    }
+    else {
+        slot->version = ++watch_clock;
+    }
+    return 0;
+}
+
+uint64_t
+nns_dict_version(PyObject *dict)
+{
+    WatchSlot *slot = watch_find(dict);
+    if (slot != NULL) {
+        return slot->version;
+    }
+    /* Not known yet: start watching.  Every failure returns a fresh number (the
+     * guard then never matches) and leaves no exception behind. */
+    PyObject *exc = PyErr_GetRaisedException();
+    if (watcher_id < 0) {
+        watcher_id = PyDict_AddWatcher(on_dict_event);
+    }
+    if (watcher_id >= 0 && (slot = watch_insert(dict)) != NULL) {
+        if (PyDict_Watch(watcher_id, dict) == 0) {
+            slot->version = ++watch_clock;
+            PyErr_SetRaisedException(exc);
+            return slot->version;
+        }
+        slot->dict = TOMBSTONE;
+    }
+    PyErr_Clear();
+    PyErr_SetRaisedException(exc);
+    return ++watch_clock;
+}
+
+#endif /* !NNS_PY311 */
