@@ -112,6 +112,7 @@ test-nnscaler:
 asan: sysdeps
 	$(MAKE) VENV=.venv-asan venv
 	NNSCALER_SANITIZE=1 .venv-asan/bin/python -m pip install -q --no-build-isolation --no-deps -e . --force-reinstall
+	cp nnscaler_eval_ns.pth "$$(.venv-asan/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	# PYTHONMALLOC=malloc: without it pymalloc recycles small objects in its own
 	# arenas and ASan cannot see a use after free of one.  The variables reach the
 	# subprocesses that the crash tests (tests/test_hardening*.py) start.
