@@ -261,7 +261,12 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
     }
     Py_ssize_t base = entry->n_dicts + entry->n_flags;
     for (Py_ssize_t i = 0; i < entry->n_values; i++) {
-        int ok = value_guard_check(&entry->values[i]);
+        ValueGuard *guard = &entry->values[i];
+        if (guard->kind == VG_DICT && guard->target == guard->dict &&
+            nns_dict_version(guard->dict) == guard->version) {
+            continue;   /* the common case, inline: a dict held directly, unchanged */
+        }
+        int ok = value_guard_check(guard);
         if (ok != 1) {
             *failed = base + i;
             return ok;

@@ -195,12 +195,27 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     # captures runs as in eager, callees included (not captured one by one either),
     # uncached. Released in a `finally`, retried if interrupted.
     depth = trace_state.capture_depth()
+    # What this thread had when the miss began, restored below whatever happens: the
+    # tracer undoes its own steps, but an interrupt landing at the wrong bytecode of
+    # that cleanup (seen once in 178 on 3.13) must not leave a mode or a record on.
+    mode_depth = torch._C._len_torch_function_stack()
+    recording = _C.record_functions_pause()
+    _C.record_functions_resume(recording)
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
         return _convert_frame_locked(config, fn, code, self, slots, bucket)
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)
+        trace_state.run_to_completion(_restore_thread_state, mode_depth, recording)
+
+
+def _restore_thread_state(mode_depth: int, recording: Any) -> None:
+    """Idempotent: torch function modes back to `mode_depth`, the function record back
+    to `recording` (None: off)."""
+    while torch._C._len_torch_function_stack() > mode_depth:
+        torch._C._pop_torch_function_stack()
+    _C.record_functions_resume(recording)
 
 
 def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
