@@ -14,6 +14,7 @@
 #include "dispatch.h"
 #include "frameobject.h"
 #include "cache.h"
+#include "frame_record.h"
 #include "call_key.h"
 #include "eval_frame.h"
 #include "nns_globals.h"
@@ -210,6 +211,67 @@ restore:
     PyErr_Restore(type, value, tb);
 }
 
+/* What a capture changes on this thread and must leave as it found it: torch's
+ * function-mode stack (the tracer is a mode) and the record of functions run.  The
+ * tracer restores both itself, in Python; but a KeyboardInterrupt raised by a signal
+ * handler can land at the entry of any `finally` there (measured: about one in 200
+ * interrupted first calls left the tracer's mode on).  Here, in C, calling only C
+ * builtins, no signal handler runs between the steps. */
+typedef struct {
+    Py_ssize_t mode_depth;    /* -1: unknown (then not restored) */
+    PyObject *recording;      /* owned: this thread's record set at entry, or NULL */
+} CaptureThreadState;
+
+static Py_ssize_t
+mode_stack_depth(void)
+{
+    PyObject *n = PyObject_CallNoArgs(nns_globals.len_torch_function_stack);
+    Py_ssize_t depth = n != NULL ? PyLong_AsSsize_t(n) : -1;
+    Py_XDECREF(n);
+    if (depth < 0) {
+        PyErr_Clear();
+    }
+    return depth;
+}
+
+static void
+capture_state_save(CaptureThreadState *state)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    state->mode_depth = mode_stack_depth();
+    state->recording = Py_XNewRef(frame_record_set);
+    PyErr_Restore(type, value, tb);
+}
+
+/* Never fails; keeps a pending exception (the user's, or an interrupt). */
+static void
+capture_state_restore(CaptureThreadState *state)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int popped = 0; state->mode_depth >= 0 && popped < 64; popped++) {
+        Py_ssize_t depth = mode_stack_depth();
+        if (depth < 0 || depth <= state->mode_depth) {
+            break;
+        }
+        PyObject *mode = PyObject_CallNoArgs(nns_globals.pop_torch_function_stack);
+        if (mode == NULL) {
+            PyErr_Clear();
+            break;
+        }
+        Py_DECREF(mode);
+    }
+    if (frame_record_set != state->recording) {
+        Py_XSETREF(frame_record_set, state->recording);   /* moves our reference */
+    }
+    else {
+        Py_XDECREF(state->recording);
+    }
+    state->recording = NULL;
+    PyErr_Restore(type, value, tb);
+}
+
 /* A target frame with no valid entry: convert_frame captures it (or says to run
  * it eagerly).  `self` (borrowed from the frame) is the module or NULL, `owner`
  * (borrowed from the frame) the bucket's owner, `config` and `bucket` (bucket may
@@ -262,11 +324,14 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
      * is suspended for this thread meanwhile (a call region in rewrite mode), so
      * that the trace sees plain frames, rewritten. */
     ArmSaved suspended;
+    CaptureThreadState before;
+    capture_state_save(&before);
     arm_push(&suspended, nns_globals.rewrite_mode, NULL);
     PyObject *callargs[] = {config, fn, (PyObject *)code, self ? self : Py_None,
                             slot_tuple, (PyObject *)held};
     reply = PyObject_Vectorcall(nns_globals.convert_frame, callargs, 6, NULL);
     arm_pop(&suspended);
+    capture_state_restore(&before);
     if (reply == NULL) {
         /* convert_frame lets the user's own exceptions through and turns its own
          * failures into a warning + run_eagerly; anything here is the user's. */

@@ -86,14 +86,20 @@ set_global(PyObject **slot, PyObject *value)
 
 PyDoc_STRVAR(install_doc,
 "install(ifexpr, convert_frame, rewrite_mode, run_eagerly, run_disarmed, module_type,\n"
-"        tensor_type, is_grad_enabled, global_hook_dicts, internal_prefix)\n\nHand the C core the Python objects it\n"
+"        tensor_type, is_grad_enabled, global_hook_dicts, internal_prefix,\n"
+"        len_torch_function_stack, pop_torch_function_stack)\n\nHand the C core the Python objects it\n"
 "needs (nnscaler_eval does this once at import).");
 
 static PyObject *
 py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "install() takes 10 arguments");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "install() takes 12 arguments");
+        return NULL;
+    }
+    if (!PyCallable_Check(args[10]) || !PyCallable_Check(args[11])) {
+        PyErr_SetString(PyExc_TypeError, "install(): the torch function-mode stack "
+                                         "length and pop functions must be callable");
         return NULL;
     }
     if (!PyType_Check(args[5]) || !PyType_Check(args[6]) || !PyTuple_Check(args[8]) ||
@@ -118,6 +124,8 @@ py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     set_global(&nns_globals.is_grad_enabled, args[7]);
     set_global(&nns_globals.global_hook_dicts, args[8]);
     set_global(&nns_globals.internal_prefix, args[9]);
+    set_global(&nns_globals.len_torch_function_stack, args[10]);
+    set_global(&nns_globals.pop_torch_function_stack, args[11]);
     Py_RETURN_NONE;
 }
 

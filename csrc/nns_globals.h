@@ -22,6 +22,8 @@ typedef struct {
     PyTypeObject *tensor_type;     /* torch._C.TensorBase */
     PyObject *is_grad_enabled;     /* torch.is_grad_enabled */
     PyObject *global_hook_dicts;   /* tuple of torch.nn.modules.module._global_*_hooks dicts */
+    PyObject *len_torch_function_stack;   /* torch._C._len_torch_function_stack */
+    PyObject *pop_torch_function_stack;   /* torch._C._pop_torch_function_stack */
     /* interned names */
     PyObject *str_training, *str_forward, *str_call_impl, *str_dtype, *str_shape,
         *str_stride, *str_device, *str_requires_grad;

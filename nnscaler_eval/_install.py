@@ -76,4 +76,6 @@ def install() -> None:
         torch.is_grad_enabled,
         global_hook_dicts(),
         INTERNAL_PREFIX,
+        torch._C._len_torch_function_stack,
+        torch._C._pop_torch_function_stack,
     )

@@ -193,7 +193,10 @@ _STATE_FUNCTIONS = (REAL_SET_GRAD_ENABLED,)
 _AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
-_filename_lock = threading.Lock()
+# Reentrant: _forget_source runs from a weakref finalizer, which the GC can run on
+# this thread while _register_source holds the lock (an allocation in its loop);
+# with a plain Lock that deadlocked (found by tests/test_interrupts.py on 3.13).
+_filename_lock = threading.RLock()
 
 _COND = torch.ops.higher_order.cond
 

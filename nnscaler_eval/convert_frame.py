@@ -206,8 +206,12 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
             return RUN_DISARMED, None
         return _convert_frame_locked(config, fn, code, self, slots, bucket)
     finally:
-        trace_state.run_to_completion(trace_state.leave_capture, depth)
-        trace_state.run_to_completion(_restore_thread_state, mode_depth, recording)
+        # Nested: run_to_completion re-raises an interrupt once its restore completed,
+        # which must not skip the other restore.
+        try:
+            trace_state.run_to_completion(_restore_thread_state, mode_depth, recording)
+        finally:
+            trace_state.run_to_completion(trace_state.leave_capture, depth)
 
 
 def _restore_thread_state(mode_depth: int, recording: Any) -> None:

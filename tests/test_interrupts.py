@@ -93,7 +93,9 @@ def _child(calls: int, seed: int) -> dict:
         if trace_state.current_tracer() is not None:
             found.append("current tracer")
         if torch._C._len_torch_function_stack():
-            found.append("torch function mode left on the stack")
+            modes = [type(m).__name__ for m in
+                     torch.overrides._get_current_function_mode_stack()]
+            found.append(f"torch function mode left on the stack: {modes}")
         if trace_state.capture_depth():
             found.append("capture lock held")
         if _C.current_config() is not None or _C.armed_threads():
