@@ -41,6 +41,19 @@ same_value(PyObject *a, PyObject *b)
     return 0;
 }
 
+/* A new tuple with the items of `tuple` (PyTuple_GetSlice of a whole tuple returns the
+ * same object, and hold_weakly replaces items in place). */
+static PyObject *
+own_copy(PyObject *tuple)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    PyObject *copy = PyTuple_New(n);
+    for (Py_ssize_t i = 0; copy != NULL && i < n; i++) {
+        PyTuple_SET_ITEM(copy, i, Py_NewRef(PyTuple_GET_ITEM(tuple, i)));
+    }
+    return copy;
+}
+
 /* Expected values that would keep an object graph alive are held by weakref.
  * Values compared by value (and tuples of them) stay strong: they reference nothing
  * that can lead back to a module. */
@@ -128,7 +141,7 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
         }
         guard->keys = Py_NewRef(PyTuple_GET_ITEM(spec, 2));
         guard->missing = Py_NewRef(PyTuple_GET_ITEM(spec, 4));
-        if ((guard->expected = PyTuple_GetSlice(PyTuple_GET_ITEM(spec, 3), 0, PY_SSIZE_T_MAX)) == NULL ||
+        if ((guard->expected = own_copy(PyTuple_GET_ITEM(spec, 3))) == NULL ||
             hold_weakly(guard) < 0) {
             return -1;
         }
@@ -157,7 +170,7 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
         if (n != 3 || !PyList_Check(target) || !PyTuple_Check(PyTuple_GET_ITEM(spec, 2))) {
             return spec_error(n, name, "expected (1, list, items tuple)");
         }
-        if ((guard->expected = PyTuple_GetSlice(PyTuple_GET_ITEM(spec, 2), 0, PY_SSIZE_T_MAX)) == NULL ||
+        if ((guard->expected = own_copy(PyTuple_GET_ITEM(spec, 2))) == NULL ||
             hold_weakly(guard) < 0) {
             return -1;
         }

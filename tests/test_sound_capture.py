@@ -336,3 +336,49 @@ def test_argument_object_referencing_the_module_is_not_kept_alive():
     del m
     gc.collect()
     assert ref() is None
+
+
+class _MeddlingKey:
+    """A dict key whose __eq__ runs Python that rewrites the dict being re-validated."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        if isinstance(other, _MeddlingKey) and other is not self:
+            self.table.clear()     # frees what a borrowed walk would still hold
+            self.table[self] = 5.0
+        return other is self
+
+
+def test_python_inside_value_guard_revalidation():
+    class UsesTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = {}
+            self.table[_MeddlingKey(self.table)] = 2.0
+
+        def forward(self, x):
+            return x * sum(self.table.values())
+
+    m = nnscaler.compile(UsesTable())
+    x = torch.randn(3)
+    check(m, eager(m), x)
+    m.table[_MeddlingKey(m.table)] = 3.0   # version moves; re-validation runs __eq__
+    m(x)   # the guard's re-validation rewrites the dict it is reading: no crash
+    for _ in range(3):   # the state has settled: hits equal eager
+        check(m, eager(m), x)
+
+
+def test_guard_specs_are_not_modified():
+    from nnscaler_eval import _C
+    from nnscaler_eval.state_guards import MISSING, VG_DICT, VG_LIST
+    target = types.SimpleNamespace()
+    d, lst = {"a": target}, [target]
+    values, items = (target,), (target,)
+    _C.CacheEntry(None, [], [], [], ["d", "l"], None,
+                  [(VG_DICT, d, ("a",), values, MISSING), (VG_LIST, lst, items)])
+    assert values[0] is target and items[0] is target
