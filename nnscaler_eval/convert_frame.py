@@ -194,32 +194,15 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     # One capture at a time, process-wide (trace_state): a miss while another thread
     # captures runs as in eager, callees included (not captured one by one either),
     # uncached. Released in a `finally`, retried if interrupted.
+    # The torch function-mode stack and the function record are restored by C around
+    # this call (dispatch.c, capture_state_restore), where no interrupt can land.
     depth = trace_state.capture_depth()
-    # What this thread had when the miss began, restored below whatever happens: the
-    # tracer undoes its own steps, but an interrupt landing at the wrong bytecode of
-    # that cleanup (seen once in 178 on 3.13) must not leave a mode or a record on.
-    mode_depth = torch._C._len_torch_function_stack()
-    recording = _C.record_functions_pause()
-    _C.record_functions_resume(recording)
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
         return _convert_frame_locked(config, fn, code, self, slots, bucket)
     finally:
-        # Nested: run_to_completion re-raises an interrupt once its restore completed,
-        # which must not skip the other restore.
-        try:
-            trace_state.run_to_completion(_restore_thread_state, mode_depth, recording)
-        finally:
-            trace_state.run_to_completion(trace_state.leave_capture, depth)
-
-
-def _restore_thread_state(mode_depth: int, recording: Any) -> None:
-    """Idempotent: torch function modes back to `mode_depth`, the function record back
-    to `recording` (None: off)."""
-    while torch._C._len_torch_function_stack() > mode_depth:
-        torch._C._pop_torch_function_stack()
-    _C.record_functions_resume(recording)
+        trace_state.run_to_completion(trace_state.leave_capture, depth)
 
 
 def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
