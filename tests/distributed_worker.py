@@ -6,6 +6,8 @@ cache counters to a file.
     python tests/distributed_worker.py {fsdp2|ddp} PORT OUT_FILE
 """
 import copy
+import datetime
+import faulthandler
 import os
 import sys
 
@@ -15,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 STEPS = 5
+WATCHDOG_S = int(os.environ.get("NNS_WORKER_WATCHDOG_S", "240"))
 
 
 class Block(nn.Module):
@@ -71,8 +74,11 @@ def full_state(model):
 
 
 def run(rank, world, kind, port, out):
+    # A rank that hangs prints every thread's stack and exits, so the test fails
+    # with the place it hung instead of a bare subprocess timeout.
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=WATCHDOG_S))
     import nnscaler
     torch.manual_seed(0)
     base = Model()
@@ -88,6 +94,7 @@ def run(rank, world, kind, port, out):
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
