@@ -418,6 +418,13 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
     }
     bucket = find_bucket(cs, config, owner);
     Py_XINCREF(bucket);
+    if (bucket != NULL && cache_bucket_runs_eagerly(bucket, slots + skip, n - skip)) {
+        /* An argument type this forward cannot take as a graph input (recorded by
+         * convert_frame with its reason): no key, no entry, callees intercepted. */
+        bucket->fallbacks++;
+        result = eval_frame_run_eagerly(ts, frame, cs);
+        goto done;
+    }
     /* entries is NULL only if the self-collected callback ran out of memory */
     if (bucket != NULL && bucket->entries != NULL && PyList_GET_SIZE(bucket->entries) > 0) {
         /* Reentrancy: tensor-subclass getters run Python here; it may reset() the

@@ -353,6 +353,7 @@ bucket_traverse(CacheBucket *self, visitproc visit, void *arg)
     Py_VISIT(self->self_ref);
     Py_VISIT(self->entries);
     Py_VISIT(self->dropped);
+    Py_VISIT(self->eager_types);
     return 0;
 }
 
@@ -362,6 +363,7 @@ bucket_clear(CacheBucket *self)
     Py_CLEAR(self->self_ref);
     Py_CLEAR(self->entries);
     Py_CLEAR(self->dropped);
+    Py_CLEAR(self->eager_types);
     return 0;
 }
 
@@ -423,6 +425,32 @@ bucket_get_self(CacheBucket *self, void *Py_UNUSED(closure))
     return Py_NewRef(nns_weakref_object(self->self_ref));
 }
 
+static PyObject *
+bucket_get_eager_types(CacheBucket *self, void *Py_UNUSED(closure))
+{
+    return self->eager_types != NULL ? Py_NewRef(self->eager_types) : PyTuple_New(0);
+}
+
+static int
+bucket_set_eager_types(CacheBucket *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL || !PyTuple_CheckExact(value)) {
+        PyErr_SetString(PyExc_TypeError, "eager_types must be a tuple of (type, str) pairs");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(value, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !PyType_Check(PyTuple_GET_ITEM(pair, 0)) ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(pair, 1))) {
+            PyErr_Format(PyExc_TypeError, "eager_types[%zd] must be a (type, str) pair", i);
+            return -1;
+        }
+    }
+    Py_XSETREF(self->eager_types, PyTuple_GET_SIZE(value) ? Py_NewRef(value) : NULL);
+    return 0;
+}
+
 static PyMemberDef bucket_members[] = {
     {"misses", T_PYSSIZET, offsetof(CacheBucket, misses), READONLY, "calls that found no valid entry"},
     {"fallbacks", T_PYSSIZET, offsetof(CacheBucket, fallbacks), 0, "calls run eagerly"},
@@ -436,6 +464,8 @@ static PyMemberDef bucket_members[] = {
 static PyGetSetDef bucket_getset[] = {
     {"entries", (getter)bucket_get_entries, NULL, "the entries, most recently used first", NULL},
     {"self", (getter)bucket_get_self, NULL, "the module (None for function targets or when collected)", NULL},
+    {"eager_types", (getter)bucket_get_eager_types, (setter)bucket_set_eager_types,
+     "(type, reason) pairs: calls with an argument of such a type run eagerly", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -496,6 +526,7 @@ cache_new_bucket(PyObject **buckets, PyObject *self)
     bucket->limit_warned = 0;
     bucket->entries = PyList_New(0);
     bucket->dropped = NULL;
+    bucket->eager_types = NULL;
     PyObject_GC_Track(bucket);
     if (bucket->entries == NULL) {
         goto error;
@@ -566,6 +597,60 @@ remember_dropped(CacheBucket *bucket, CacheEntry *entry, Py_ssize_t failed)
         PyErr_Clear();
     }
     Py_DECREF(name);
+}
+
+/* Containers are looked into to this depth (an HF cache passed inside **kwargs is at
+ * depth 1); deeper ones reach the miss path, which falls back the same way. */
+#define EAGER_TYPES_DEPTH 3
+
+static int
+holds_eager_type(PyObject *types, PyObject *value, int depth)
+{
+    PyTypeObject *tp = Py_TYPE(value);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+        if ((PyObject *)tp == PyTuple_GET_ITEM(PyTuple_GET_ITEM(types, i), 0)) {
+            return 1;
+        }
+    }
+    if (depth >= EAGER_TYPES_DEPTH) {
+        return 0;
+    }
+    /* Exact containers only: a subclass's items could come from Python code. Nothing
+     * here runs Python, so the borrowed items stay alive. */
+    if (tp == &PyTuple_Type || tp == &PyList_Type) {
+        for (Py_ssize_t i = 0; i < Py_SIZE(value); i++) {
+            PyObject *item = tp == &PyTuple_Type ? PyTuple_GET_ITEM(value, i)
+                                                 : PyList_GET_ITEM(value, i);
+            if (holds_eager_type(types, item, depth + 1)) {
+                return 1;
+            }
+        }
+    }
+    else if (tp == &PyDict_Type) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(value, &pos, &k, &v)) {
+            if (holds_eager_type(types, v, depth + 1)) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+int
+cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssize_t n)
+{
+    PyObject *types = bucket->eager_types;
+    if (types == NULL) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (args[i] != NULL && holds_eager_type(types, args[i], 0)) {
+            return 1;
+        }
+    }
+    return 0;
 }
 
 CacheEntry *

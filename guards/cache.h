@@ -53,6 +53,12 @@ typedef struct {
     PyObject *entries;         /* owned list of CacheEntry, most recently used first */
     PyObject *dropped;         /* owned list of str or NULL: why stale entries were
                                   dropped since the miss path last looked (logs) */
+    PyObject *eager_types;     /* owned tuple of (type, reason) pairs, or NULL: a call
+                                  with an argument of one of these exact types (at the
+                                  top level or inside tuples, lists and dicts) runs
+                                  eagerly, its callees intercepted, before any key is
+                                  built or entry made (HF KV caches: a new object per
+                                  generate(), mutated in place) */
     Py_ssize_t misses, fallbacks, captures, hits;
     int limit_warned;
 } CacheBucket;
@@ -72,6 +78,10 @@ int cache_entry_check(CacheEntry *entry, Py_ssize_t *failed);
 CacheBucket *cache_find_bucket(PyObject *buckets, PyObject *self);
 /* New bucket appended to *buckets (created if NULL). Borrowed result; NULL on error. */
 CacheBucket *cache_new_bucket(PyObject **buckets, PyObject *self);
+
+/* 1 when one of `args` is (or directly holds, up to a small depth) an object of one
+ * of the bucket's eager_types, else 0.  Runs no Python, never raises. */
+int cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssize_t n);
 
 /* Borrowed entry whose key equals `key` and whose guards hold, or NULL.  Stale
  * entries met on the way are removed.  Never raises.  May run Python (value guards):

@@ -228,13 +228,18 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     early = (tracer.input_fallback(fn, slots[first:], slot_names[first:])
              or _mutated_before(code, slot_names[first:], slots[first:]))
     if early is not None:
-        # Known before running: record the fallback without a traced run (a KV cache
-        # is a new object per generate() call; each would otherwise cost a trace).
+        # Known before running, and a property of the argument's type: the bucket
+        # records the type, and from the next call on C runs such calls eagerly
+        # before building a key (a KV cache is a new object per generate() call and
+        # changes shape every step: keyed entries would each cost a miss, and fill
+        # the cache_size_limit).
+        fallback, at_fault = early
         if config.fullgraph:
-            raise tracer.GraphBreakError(early)
-        skipped = tracer.Capture(None, None, early, [], [], [], [], slot_names)
-        entry = _make_entry(config, skipped, code, self, key, where)
-        return trace_state.in_flight_reply(bucket, RUN_EAGERLY, entry)
+            raise tracer.GraphBreakError(fallback)
+        skipped = tracer.Capture(None, None, fallback, [], [], [], [], slot_names)
+        _make_entry(config, skipped, code, self, key, where)   # logs and explain() see it
+        _add_eager_types(bucket, {at_fault}, str(fallback))
+        return RUN_EAGERLY, None
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
@@ -246,8 +251,17 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())
     unsound = _unreplayable(capture, recorder, mutable, found, self)
-    if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
-        _remember_mutated_types(code, arguments)
+    if unsound is not None and unsound.startswith(_CHANGED_ARGUMENT):
+        at_fault = _mutated_types_of(unsound, arguments)
+        _remember_mutated_types(code, at_fault)
+        if at_fault and not config.fullgraph:
+            # This call's result stands (the forward ran once, its side effects
+            # with it); later calls with such an object run eagerly from C.
+            fallback = tracer.Fallback(unsound, *_forward_line(code))
+            _make_entry(config, tracer.Capture(None, None, fallback, [], [], [], [],
+                                               slot_names), code, self, key, where)
+            _add_eager_types(bucket, at_fault, str(fallback))
+            return capture.result, None
     if unsound is not None:
         if config.fullgraph:
             raise tracer.GraphBreakError(tracer.Fallback(unsound, *_forward_line(code)))
@@ -294,14 +308,35 @@ _SIDE_EFFECT_ON_ARGUMENT = "side effect on an argument"
 _mutated_types: "weakref.WeakKeyDictionary[Any, set[type]]" = weakref.WeakKeyDictionary()
 
 
-def _remember_mutated_types(code: Any, arguments: list[tuple[str, Any]]) -> None:
-    types_seen = _mutated_types.setdefault(code, set())
-    for _name, value in arguments:
-        for obj in state_guards.identity_keyed(value):
-            types_seen.add(type(obj))
+_CHANGED_ARGUMENT = f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed "
 
 
-def _mutated_before(code: Any, names: tuple[str, ...], values: tuple[Any, ...]) -> Any:
+def _mutated_types_of(reason: str, arguments: list[tuple[str, Any]]) -> set[type]:
+    """The types of the objects keyed by identity in the argument that `reason` (an
+    `_unreplayable` side-effect message, naming the argument first) says changed."""
+    changed = reason[len(_CHANGED_ARGUMENT):]
+    for name, value in arguments:
+        if changed.startswith(name) and changed[len(name):len(name) + 1] in ("[", " ", ""):
+            return {type(obj) for obj in state_guards.identity_keyed(value)}
+    return set()
+
+
+def _remember_mutated_types(code: Any, at_fault: set[type]) -> None:
+    if at_fault:
+        _mutated_types.setdefault(code, set()).update(at_fault)
+
+
+def _add_eager_types(bucket: Any, at_fault: set[type], reason: str) -> None:
+    """From the next call on, C runs this bucket's calls with an argument of one of
+    these types eagerly, before building a key (cache.h, eager_types)."""
+    known = [t for t, _ in bucket.eager_types]
+    new = tuple((t, reason) for t in at_fault if all(t is not k for k in known))
+    if new:
+        bucket.eager_types = bucket.eager_types + new
+
+
+def _mutated_before(code: Any, names: tuple[str, ...],
+                    values: tuple[Any, ...]) -> Optional[tuple[Any, type]]:
     from nnscaler_eval import tracer
     known = _mutated_types.get(code)
     if not known:
@@ -311,7 +346,7 @@ def _mutated_before(code: Any, names: tuple[str, ...], values: tuple[Any, ...]) 
             if type(obj) in known:
                 return tracer.Fallback(
                     f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed a {type(obj).__name__} "
-                    f"passed as {name!r} before (not replayed)", *_forward_line(code))
+                    f"passed as {name!r} before (not replayed)", *_forward_line(code)), type(obj)
     return None
 
 

@@ -554,15 +554,16 @@ def _hidden_tensors_reason(slot_name: str, leaf: Any) -> str:
 
 
 def input_fallback(fn: Callable[..., Any], slots: tuple[Any, ...],
-                   slot_names: tuple[str, ...]) -> Optional[Fallback]:
+                   slot_names: tuple[str, ...]) -> Optional[tuple[Fallback, type]]:
     """Why these arguments cannot be graph inputs (tensors inside non-pytree objects,
-    such as an HF KV cache), found before anything runs; None when they can."""
+    such as an HF KV cache), found before anything runs, with the type of the object
+    at fault; None when they can."""
     for slot, slot_name in zip(slots, slot_names):
         for leaf in pytree.tree_leaves(slot):
             if _hidden_tensors(leaf):
                 code = getattr(fn, "__code__", None)
                 where = (code.co_filename, code.co_firstlineno) if code else ("<unknown>", 0)
-                return Fallback(_hidden_tensors_reason(slot_name, leaf), *where)
+                return Fallback(_hidden_tensors_reason(slot_name, leaf), *where), type(leaf)
     return None
 
 

@@ -7,6 +7,7 @@ call against eager on the same module and inputs.
 """
 import copy
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nnscaler
+from nnscaler_eval.explain import _buckets
+from nnscaler_eval.tracer import GraphBreakError
 
 SCALE = 2.0
 GLOBAL_TENSOR = torch.ones(4)
@@ -382,3 +385,100 @@ def test_guard_specs_are_not_modified():
     _C.CacheEntry(None, [], [], [], ["d", "l"], None,
                   [(VG_DICT, d, ("a",), values, MISSING), (VG_LIST, lst, items)])
     assert values[0] is target and items[0] is target
+
+
+class KVStore:
+    """Not a pytree container: holds tensors the forward reads and grows in place
+    (the shape of an HF DynamicCache)."""
+
+    def __init__(self):
+        self.keys = None
+
+
+class AttendsToStore(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x, store):
+        k = self.proj(x)
+        store.keys = k if store.keys is None else torch.cat([store.keys, k])
+        return self.inner(x) + store.keys.sum(0)
+
+
+def _run_steps(m, stores, steps, seed):
+    torch.manual_seed(seed)
+    outs = []
+    for store in stores:
+        for _ in range(steps):
+            outs.append(m(torch.randn(1, 4), store))
+    return outs
+
+
+def test_argument_type_that_falls_back_costs_no_entry_per_object():
+    # A new store per sequence and a new shape per step: after the first sequence the
+    # forward runs eagerly at once for this type (no key, no entry, no miss), while
+    # its submodules still hit; results equal eager's, store contents included.
+    base = AttendsToStore()
+    ref = copy.deepcopy(base)
+    m = nnscaler.compile(base)
+    got_stores, want_stores = [KVStore() for _ in range(4)], [KVStore() for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no cache_size_limit warning either
+        got = _run_steps(m, got_stores, 5, 0)
+    want = _run_steps(ref, want_stores, 5, 0)
+    for a, b in zip(got + [s.keys for s in got_stores], want + [s.keys for s in want_stores]):
+        torch.testing.assert_close(a, b)
+    root = [b for b in _buckets(m) if b.self is m][0]
+    assert [t for t, _ in root.eager_types] == [KVStore]
+    assert "KVStore" in root.eager_types[0][1] and __file__ in root.eager_types[0][1]
+    assert root.misses == 1 and len(root.entries) == 0 and root.fallbacks == 19
+    inner = nnscaler.cache_info(m.inner)
+    assert inner.captures == 1 and inner.hits >= 18
+
+
+def test_argument_type_fallback_is_found_inside_kwargs_and_lists():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = AttendsToStore()
+
+        def forward(self, x, **kwargs):
+            return self.body(x, kwargs["stores"][0])
+
+    base = Wrapped()
+    ref = copy.deepcopy(base)
+    m = nnscaler.compile(base)
+    stores_got, stores_want = [KVStore()], [KVStore()]
+    torch.manual_seed(0)
+    xs = [torch.randn(1, 4) for _ in range(6)]
+    for x in xs:
+        torch.testing.assert_close(m(x, stores=[stores_got[0]]), ref(x, stores=[stores_want[0]]))
+    torch.testing.assert_close(stores_got[0].keys, stores_want[0].keys)
+    root = [b for b in _buckets(m) if b.self is m][0]
+    assert [t for t, _ in root.eager_types] == [KVStore]
+    assert root.misses == 1
+
+
+def test_argument_type_fallback_keeps_fullgraph_an_error():
+    m = nnscaler.compile(AttendsToStore(), fullgraph=True)
+    for _ in range(2):
+        with pytest.raises(GraphBreakError, match="KVStore"):
+            m(torch.randn(1, 4), KVStore())
+
+
+def test_bucket_eager_types_rejects_bad_values():
+    base = AttendsToStore()
+    ref = copy.deepcopy(base)
+    m = nnscaler.compile(base)
+    m(torch.randn(1, 4), KVStore())
+    root = [b for b in _buckets(m) if b.self is m][0]
+    before = root.eager_types
+    for bad in ([(KVStore, "r")], ((KVStore,),), ((1, "r"),), ((KVStore, 2),)):
+        with pytest.raises(TypeError, match="eager_types"):
+            root.eager_types = bad
+    assert root.eager_types == before
+    root.eager_types = ()
+    assert root.eager_types == ()
+    torch.testing.assert_close(m(torch.ones(1, 4), KVStore()), ref(torch.ones(1, 4), KVStore()))
