@@ -7,6 +7,7 @@ import glob
 import os
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 # The import hook's start-up line. It must sit at the top of site-packages (that is
@@ -50,15 +51,67 @@ if os.environ.get("NNSCALER_WERROR") == "1":
     extra_compile_args.append("-Werror")
 
 sources = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("guards/*.c"))
+# The one C++ translation unit (guards/tensor_meta.cpp) reads tensors through the
+# headers of the torch installed at build time; its own flags are set in
+# build_ext_per_language (setuptools passes one set of flags to every source).
+sources.append("guards/tensor_meta.cpp")
+
+
+def _torch_build_info():
+    """(include dirs, library dir, C++ ABI macro value) of the installed torch, or None."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return None
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    return cpp_extension.include_paths(), lib_dir, int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+torch_info = _torch_build_info()
+cxx_args = ["-Wall", "-Wextra", "-std=c++17", "-fvisibility=hidden"]
+if torch_info is None:
+    cxx_args.append("-DNNS_NO_TORCH_HEADERS")
+    libraries, library_dirs, runtime_dirs = ["xxhash"], [], []
+else:
+    includes, lib_dir, abi = torch_info
+    for include in includes:
+        cxx_args += ["-isystem", include]   # torch's own warnings are not ours
+    cxx_args.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
+    # torch is imported before _C (nnscaler_eval/__init__.py), so these are already
+    # loaded; the run path finds them when something imports _C on its own.
+    libraries = ["xxhash", "torch_python", "c10"]
+    library_dirs, runtime_dirs = [lib_dir], [lib_dir]
+
+
+C_ONLY = ("-std=c11", "-Werror=implicit-function-declaration")
+
+
+class build_ext_per_language(build_ext):
+    """C sources get the C flags, the C++ source gets cxx_args."""
+
+    def build_extensions(self):
+        compile_one = self.compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            if src.endswith(".cpp"):
+                extra_postargs = [a for a in extra_postargs if a not in C_ONLY] + cxx_args
+            return compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        self.compiler._compile = _compile
+        super().build_extensions()
 
 setup(
-    cmdclass={"build_py": build_py_with_pth},
+    cmdclass={"build_py": build_py_with_pth, "build_ext": build_ext_per_language},
     ext_modules=[
         Extension(
             "nnscaler_eval._C",
             sources=sources,
+            language="c++",   # linked by the C++ driver: libstdc++ for tensor_meta.cpp
             include_dirs=["csrc", "guards"],
-            libraries=["xxhash"],
+            libraries=libraries,
+            library_dirs=library_dirs,
+            runtime_library_dirs=runtime_dirs,
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
             undef_macros=undef_macros,

@@ -1,6 +1,12 @@
 /* call_key.c - encoding the per-call key and hashing it with XXH3. */
 #include "call_key.h"
 #include "nns_globals.h"
+#include "tensor_meta.h"
+
+#include <stddef.h>
+
+/* The key copies NnsTensorMeta's fixed fields as bytes: no padding allowed. */
+_Static_assert(offsetof(NnsTensorMeta, sizes) == 16, "NnsTensorMeta has padding");
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -12,6 +18,8 @@ enum {
     TAG_SUBTYPE,      /* a subclass of tuple/int/float/str: its type, then the value */
     TAG_BUFFER,       /* a NumPy scalar: its type, then its bytes */
     TAG_DEVICE,       /* a torch.device: its hash (type and index) */
+    TAG_TENSOR_META,  /* a plain tensor read in C++ (tensor_meta.h): type, fixed
+                         fields, sizes, strides */
 };
 
 #define MAX_DEPTH 8
@@ -171,6 +179,19 @@ put_tensor(CallKey *key, PyObject *t)
         }
     }
     key->n_tensors++;
+    NnsTensorMeta meta;
+    if (nns_tensor_meta(t, &meta)) {
+        /* The fixed fields (scalar type .. ndim) are laid out without padding. */
+        size_t n = (size_t)meta.ndim * sizeof(int64_t);
+        if (put_tag(key, TAG_TENSOR_META) < 0 || put_ptr(key, Py_TYPE(t)) < 0 ||
+            pin(key, (PyObject *)Py_TYPE(t)) < 0 ||
+            put(key, &meta, offsetof(NnsTensorMeta, sizes)) < 0 ||
+            put(key, meta.sizes, n) < 0 || put(key, meta.strides, n) < 0) {
+            goto done;
+        }
+        ret = 0;
+        goto done;
+    }
     if (put_tag(key, TAG_TENSOR) < 0 || put_ptr(key, Py_TYPE(t)) < 0 || pin(key, (PyObject *)Py_TYPE(t)) < 0) {
         goto done;
     }

@@ -2,6 +2,8 @@
 
 Nothing outside this package imports its private names; users import `nnscaler`.
 """
+import torch  # noqa: F401  (first: _C links against torch's libraries, see setup.py)
+
 from nnscaler_eval import _C  # noqa: F401  (fails early if the extension is missing)
 from nnscaler_eval._install import install as _install
 

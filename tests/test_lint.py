@@ -5,7 +5,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-C_FILES = sorted(list((ROOT / "csrc").glob("*.[ch]")) + list((ROOT / "guards").glob("*.[ch]")))
+C_FILES = sorted(p for d in ("csrc", "guards") for pattern in ("*.[ch]", "*.cpp")
+                 for p in (ROOT / d).glob(pattern))
 
 
 def test_py_version_hex_only_in_compat_files():

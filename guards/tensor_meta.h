@@ -1,0 +1,40 @@
+/* tensor_meta.h - what the call key needs of a tensor, read from the C++ tensor.
+ *
+ * The one place that knows PyTorch's C++ types (tensor_meta.cpp): a plain
+ * torch.Tensor or nn.Parameter is read without building a Python object (dtype,
+ * device, torch.Size and the stride tuple cost about 4,000 instructions per tensor
+ * through attribute access; this about 100).  Everything else, tensor subclasses
+ * included (their attributes may be Python), goes through Python in call_key.c.
+ */
+#ifndef NNSCALER_TENSOR_META_H
+#define NNSCALER_TENSOR_META_H
+
+#include <Python.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define NNS_TENSOR_META_MAX_DIM 16
+
+typedef struct {
+    int32_t scalar_type;      /* c10::ScalarType */
+    int16_t device_type;      /* c10::DeviceType */
+    int16_t device_index;
+    int32_t requires_grad;
+    int32_t ndim;
+    int64_t sizes[NNS_TENSOR_META_MAX_DIM];
+    int64_t strides[NNS_TENSOR_META_MAX_DIM];
+} NnsTensorMeta;
+
+/* 1 with `meta` filled when `obj` is exactly a torch.Tensor or nn.Parameter with
+ * strided layout, concrete sizes and at most NNS_TENSOR_META_MAX_DIM dimensions; 0
+ * otherwise (the caller reads it through Python).  Runs no Python, never raises. */
+int nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
