@@ -243,6 +243,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
+    rng = state_guards.python_rng_state()
     recorder = state_guards.CodeRecorder()
     with recorder, compile_safe_paths():
         capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
@@ -250,7 +251,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     # The state walk serves value guards, which only entries with a graph get.
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())
-    unsound = _unreplayable(capture, recorder, mutable, found, self)
+    unsound = _unreplayable(capture, recorder, mutable, found, self, rng)
     if unsound is not None and unsound.startswith(_CHANGED_ARGUMENT):
         at_fault = _mutated_types_of(unsound, arguments)
         _remember_mutated_types(code, at_fault)
@@ -351,7 +352,7 @@ def _mutated_before(code: Any, names: tuple[str, ...],
 
 
 def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
-                  self: Any) -> Optional[str]:
+                  self: Any, rng: tuple) -> Optional[str]:
     """Why replaying this capture would not do what eager does, or None.
 
     Side effects on arguments and globals are not part of the graph, and an input
@@ -362,6 +363,9 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
         return None
     if not recorder.complete:
         return f"{_NOT_CACHED_RECORD} (out of memory while recording it)"
+    if state_guards.python_rng_state() != rng:
+        return ("the forward drew numbers from Python's or NumPy's global random "
+                "generator: a graph would bake them in as constants")
     changed = state_guards.mutated_arguments(mutable)
     if changed is not None:
         return f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed {changed}"

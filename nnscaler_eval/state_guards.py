@@ -34,6 +34,7 @@ import dis
 import gc
 import keyword
 import os
+import random
 import sys
 import types
 import weakref
@@ -449,6 +450,19 @@ def argument_snapshot(values: Iterable[tuple[str, Any]]) -> list[tuple[Any, Any,
     for name, value in values:
         walk(value, name, 0)
     return out
+
+
+def python_rng_state() -> tuple:
+    """Where Python's global `random` generator and NumPy's legacy global one stand:
+    a capture during which it moved drew numbers a graph would bake in as constants
+    (torch's own generators are graph ops and draw anew on every replay)."""
+    state: list[Any] = [random.getstate()]
+    np_random = sys.modules.get("numpy.random")
+    get_state = getattr(np_random, "get_state", None)
+    if get_state is not None:
+        name, key, pos, has_gauss, cached = get_state()
+        state.append((name, key.tobytes(), pos, has_gauss, cached))
+    return tuple(state)
 
 
 def mutated_arguments(snapshot: list[tuple[Any, Any, str]]) -> Optional[str]:

@@ -2,7 +2,8 @@
 
 `nn.Module.__call__` (submodule calls: hooks, training flags, visited modules),
 `nn.Module.__setattr__` (writes to module state), `builtins.print` and
-`sys.breakpointhook` (Python side effects a replay would lose), and the C functions
+`sys.breakpointhook` (Python side effects a replay would lose), the clocks of `time`
+and `os.urandom` (values a graph would bake in as constants), and the C functions
 that take a `bool` flag and are called directly, not through a Python wrapper that
 dispatches (`_VF.lstm(..., self.training, ...)` in nn.LSTM, `torch.dropout`,
 `torch.set_grad_enabled(self.training)`): their argument parser rejects a
@@ -41,7 +42,9 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import os
 import sys
+import time
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -158,6 +161,37 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
     if tracer is not None:
         tracer.on_python_side_effect("breakpoint()")
     return _BREAKPOINTHOOK.saved(*args, **kwargs)
+
+
+# Impure C functions whose result a trace would bake into the graph as a constant:
+# each call of the forward must see a new value, so a capture that calls one falls
+# back. Reached as `time.time()`/`os.urandom()` (a name bound by `from time import
+# time` before tracing is not seen; Python's and NumPy's global generators are
+# checked by their state instead, see state_guards.python_rng_state).
+_IMPURE_FUNCTIONS = (
+    (time, ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic",
+            "monotonic_ns", "process_time", "process_time_ns", "thread_time",
+            "thread_time_ns")),
+    (os, ("urandom",)),
+)
+# Callers whose use of a clock never reaches a tensor (log records' timestamps).
+_IMPURE_EXEMPT_MODULES = frozenset({"logging", "warnings", "threading"})
+
+
+def _impure_patch(owner: Any, name: str) -> _Patch:
+    patch: _Patch
+    what = f"{owner.__name__}.{name}() (a new value every call: a graph would bake this one in)"
+
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        tracer = _tracing_tracer()
+        if tracer is not None and \
+                sys._getframe(1).f_globals.get("__name__") not in _IMPURE_EXEMPT_MODULES:
+            tracer.on_python_side_effect(what)
+        return patch.saved(*args, **kwargs)
+
+    replacement.__name__ = name
+    patch = _Patch(owner, name, replacement)
+    return patch
 
 
 class _TrainingAttribute:
@@ -402,6 +436,8 @@ def _torch_function_patch(name: str) -> _Patch:
 
 
 _TORCH_FUNCTIONS = [_torch_function_patch(n) for n in _TRAINING_BOOL_FUNCTIONS if hasattr(torch, n)]
+_IMPURE = [_impure_patch(owner, n) for owner, names in _IMPURE_FUNCTIONS for n in names
+           if hasattr(owner, n)]
 _VF_PATCH: Optional[_Patch] = None
 _vf_module = sys.modules.get("torch._VF")  # imported by torch.nn (nn.RNN uses it)
 if _vf_module is not None and hasattr(_vf_module, "vf"):
@@ -425,6 +461,7 @@ _PATCHES: tuple[_Patch, ...] = tuple(
         _SCRIPT_METHOD_CALL,
         _COND,
         *_TORCH_FUNCTIONS,
+        *_IMPURE,
         _VF_PATCH,
         _TRAINING,
     )

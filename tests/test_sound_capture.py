@@ -6,6 +6,9 @@ attribute, global torch state, aliasing of inputs, ...) and checks the next comp
 call against eager on the same module and inputs.
 """
 import copy
+import os
+import random
+import time
 import types
 import warnings
 
@@ -482,3 +485,44 @@ def test_bucket_eager_types_rejects_bad_values():
     root.eager_types = ()
     assert root.eager_types == ()
     torch.testing.assert_close(m(torch.ones(1, 4), KVStore()), ref(torch.ones(1, 4), KVStore()))
+
+
+@pytest.mark.parametrize("draw", [
+    lambda: random.random(),
+    lambda: random.randint(0, 10 ** 9),
+    lambda: float(np.random.rand()),
+    lambda: time.perf_counter() % 1.0,
+    lambda: time.time_ns() % 1000,
+    lambda: os.urandom(4)[0],
+], ids=["random.random", "random.randint", "numpy.random", "time.perf_counter",
+        "time.time_ns", "os.urandom"])
+def test_impure_python_values_are_never_baked_in(draw):
+    # Eager sees a new value every call; a graph holding the capture's value would
+    # repeat it. Such a forward runs eagerly, with the reason recorded.
+    class Draws(nn.Module):
+        def forward(self, x):
+            return x + draw()
+
+    m = nnscaler.compile(Draws())
+    values = set()
+    for _ in range(4):
+        values.add(m(torch.zeros(1)).item())
+        time.sleep(0.001)
+    assert len(values) > 1
+    info = nnscaler.cache_info(m)
+    assert info.captures == 0 and info.fallbacks >= 3
+
+
+def test_clock_read_by_logging_does_not_stop_the_capture(caplog):
+    import logging
+    log = logging.getLogger("test_sound_capture.clock")
+
+    class Logs(nn.Module):
+        def forward(self, x):
+            log.warning("forward")   # a LogRecord reads the clock (time.time/time_ns)
+            return x * 2
+
+    m = nnscaler.compile(Logs())
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(m(torch.ones(2)), torch.full((2,), 2.0))
+    assert nnscaler.cache_info(m).captures == 1
