@@ -1,7 +1,8 @@
-"""State-guard cost per hit: ours vs Dynamo's guard check, for a 12-block GPT and tiny
-HF gpt2 (the sound-capture work's figure; run it on two checkouts for before/after).
+"""State-guard cost per hit: ours vs Dynamo's guard check, for GPTs of 1, 12 and 48
+blocks and tiny HF gpt2 (run it on two checkouts for before/after, and per CPython:
+on 3.12+ an entry whose dicts are unchanged is one clock comparison, compat.h).
 
-    python -m benchmarks.state_guard_cost [--repeats 9]
+    python -m benchmarks.state_guard_cost [--repeats 9] [--depths 1,12,48]
 
 What is timed, per call, interleaved, median over repeats (thread CPU time):
 - ours: `entry.check_verbose()` of the root's cache entry: exactly the hit path's C
@@ -59,10 +60,11 @@ def _dynamo_entry(module: torch.nn.Module) -> Any:
     raise RuntimeError("Dynamo made no cache entry for the forward")
 
 
-def _cases() -> list[tuple[str, torch.nn.Module, dict]]:
+def _cases(depths: list[int]) -> list[tuple[str, torch.nn.Module, dict]]:
     cases = []
-    gpt, (idx,) = models.build("gpt12", 1)
-    cases.append(("12-block GPT", gpt.eval(), {"idx": idx}))
+    for depth in depths:
+        gpt, (idx,) = models.build(f"gpt{depth}", 1)
+        cases.append((f"{depth}-block GPT", gpt.eval(), {"idx": idx}))
     try:
         import transformers
         transformers.logging.set_verbosity_error()
@@ -81,6 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--depths", default="1,12,48",
+                        help="GPT depths (blocks) to measure, comma-separated")
     options = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -90,7 +94,7 @@ def main() -> None:
     print("| model | ours (us) | torch.compile(backend='eager') guard check (us) | ours / dynamo |")
     print("|---|---|---|---|")
     with torch.no_grad():
-        for name, module, inputs in _cases():
+        for name, module, inputs in _cases([int(d) for d in options.depths.split(",")]):
             ours = nnscaler.compile(copy.deepcopy(module))
             plain = copy.deepcopy(module)
             dynamo = torch.compile(plain, backend="eager")

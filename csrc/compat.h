@@ -100,6 +100,14 @@ PyObject *nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *res
  *   number each time, so a guard built on it fails closed (a cache miss). */
 uint64_t nns_dict_version(PyObject *dict);
 
+/* "Has any dict I took a version of changed since?"  3.12+: a number that moves
+ * whenever a watched dict (one nns_dict_version was called on) changes, is freed, or
+ * starts being watched, so a cache entry that saw all its dicts unchanged at clock c
+ * needs no per-dict check while the clock still reads c: one comparison per entry,
+ * whatever the model's depth.  3.11: 0, always (its version tags move on any dict
+ * change in the process: each dict is checked). */
+uint64_t nns_dict_clock(void);
+
 /* Used only by the compat files: clear a frame that was never run and pop it off
  * the thread's frame stack (what the default evaluator does on exit).  A no-op on
  * 3.11, where _PyEval_Vector does it. */

@@ -66,6 +66,12 @@ nns_dict_version(PyObject *dict)
     return ((PyDictObject *)dict)->ma_version_tag;
 }
 
+uint64_t
+nns_dict_clock(void)
+{
+    return 0;
+}
+
 /* Lib/opcode.py, _inline_cache_entries, 3.11 */
 const NnsOpcodes nns_opcodes = {
     .cache_entries = {

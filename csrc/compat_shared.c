@@ -152,15 +152,23 @@ on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *Py_UNUSED(key),
 {
     WatchSlot *slot = watch_find(dict);
     if (slot == NULL) {
-        return 0;   /* watched before the table lost it (out of memory): fail closed */
+        ++watch_clock;   /* not in the table (cannot happen): every check runs in full */
+        return 0;
     }
     if (event == PyDict_EVENT_DEALLOCATED) {
         slot->dict = TOMBSTONE;
+        ++watch_clock;   /* nns_dict_clock: any watched dict's change moves it */
     }
     else {
         slot->version = ++watch_clock;
     }
     return 0;
+}
+
+uint64_t
+nns_dict_clock(void)
+{
+    return watch_clock;
 }
 
 uint64_t

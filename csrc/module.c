@@ -297,6 +297,12 @@ py_dict_version(PyObject *Py_UNUSED(module), PyObject *d)
     return PyLong_FromUnsignedLongLong(nns_dict_version(d));
 }
 
+static PyObject *
+py_dict_clock(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(nns_dict_clock());
+}
+
 static PyMethodDef module_methods[] = {
     {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, install_doc},
     {"arm", (PyCFunction)(void (*)(void))py_arm, METH_FASTCALL, arm_doc},
@@ -315,6 +321,8 @@ static PyMethodDef module_methods[] = {
      "Number of armed regions open now (0: the evaluator is uninstalled)."},
     {"current_config", py_current_config, METH_NOARGS, "This thread's config, or None."},
     {"dict_version", py_dict_version, METH_O, "The version tag of a dict (guards compare it)."},
+    {"dict_clock", py_dict_clock, METH_NOARGS,
+     "A number that moves when any dict a guard watches changes (3.12+; 0 on 3.11)."},
     {"record_functions_start", frame_record_start, METH_NOARGS,
      "record_functions_start() -> token: note every function that runs on this thread."},
     {"record_functions_stop", frame_record_stop, METH_O,

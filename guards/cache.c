@@ -59,6 +59,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->flag_refs);
     PyMem_Free(self->flag_values);
     PyMem_Free(self->values);
+    PyMem_Free(self->unclocked);
     PyMem_Free(self->key);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -182,6 +183,16 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         self->n_values = i + 1;
     }
+    if (nv > 0 && (self->unclocked = PyMem_Calloc(nv, sizeof(Py_ssize_t))) == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        const ValueGuard *guard = &self->values[i];
+        if (!(guard->kind == VG_DICT && guard->target == guard->dict)) {
+            self->unclocked[self->n_unclocked++] = i;
+        }
+    }
     if ((self->guard_names = PySequence_Tuple(guard_names)) == NULL) {
         goto error;
     }
@@ -220,7 +231,11 @@ cache_read_training(PyObject *module)
 int
 cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
 {
-    for (Py_ssize_t i = 0; i < entry->n_dicts; i++) {
+    /* No watched dict changed since every dict of this entry was last seen
+     * unchanged: the dict guards and the plain VG_DICT guards hold as they did. */
+    const uint64_t clock = nns_dict_clock();
+    const int dicts_unchanged = clock != 0 && entry->clean_clock == clock;
+    for (Py_ssize_t i = 0; i < entry->n_dicts && !dicts_unchanged; i++) {
         if (nns_dict_version(entry->dicts[i]) != entry->versions[i]) {
             *failed = i;
             return -1;
@@ -260,18 +275,27 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         }
     }
     Py_ssize_t base = entry->n_dicts + entry->n_flags;
-    for (Py_ssize_t i = 0; i < entry->n_values; i++) {
+    /* With the clock unchanged only the guards it cannot vouch for are looked at:
+     * lists, cells, functions, tensors, global state, and dicts reached through an
+     * owner (which may have died or been given another __dict__). */
+    const Py_ssize_t n = dicts_unchanged ? entry->n_unclocked : entry->n_values;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const Py_ssize_t i = dicts_unchanged ? entry->unclocked[k] : k;
         ValueGuard *guard = &entry->values[i];
         if (guard->kind == VG_DICT && guard->target == guard->dict &&
             nns_dict_version(guard->dict) == guard->version) {
             continue;   /* the common case, inline: a dict held directly, unchanged */
         }
-        int ok = value_guard_check(guard);
+        int ok = dicts_unchanged && guard->kind == VG_DICT
+            ? value_guard_dict_is_current(guard) : value_guard_check(guard);
         if (ok != 1) {
             *failed = base + i;
             return ok;
         }
     }
+    /* Every check held at `clock` (read before any of them: Python run by a value
+     * guard that changes a dict moves the clock past it, and the next check is full). */
+    entry->clean_clock = clock;
     return 1;
 }
 
@@ -320,6 +344,8 @@ static PyMemberDef entry_members[] = {
     {"info", T_OBJECT, offsetof(CacheEntry, info), READONLY, "Python-side description"},
     {"hits", T_PYSSIZET, offsetof(CacheEntry, hits), READONLY, "calls served"},
     {"guard_names", T_OBJECT, offsetof(CacheEntry, guard_names), READONLY, "state guards"},
+    {"clean_clock", T_ULONGLONG, offsetof(CacheEntry, clean_clock), READONLY,
+     "dict_clock() when every dict was last seen unchanged (0: never; always 0 on 3.11)"},
     {NULL, 0, 0, 0, NULL},
 };
 

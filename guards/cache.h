@@ -35,6 +35,9 @@ typedef struct {
     char *flag_values;
     Py_ssize_t n_values;
     ValueGuard *values;        /* owned guards on values the capture read */
+    Py_ssize_t n_unclocked;
+    Py_ssize_t *unclocked;     /* PyMem: indices of the value guards that are not plain
+                                  VG_DICTs (those the dict clock cannot vouch for) */
     PyObject *guard_names;     /* owned tuple of str: dict, flag, then value guards */
     PyObject *info;            /* owned: the Python-side description (explain) */
     unsigned char *key;        /* PyMem block, the stored call key */
@@ -43,6 +46,9 @@ typedef struct {
     PyObject *pins;            /* owned list or NULL: objects keyed by identity, held by
                                   weakref where possible (a dead one: entry stale) */
     Py_ssize_t hits;
+    uint64_t clean_clock;      /* nns_dict_clock() at the last check that found every
+                                  dict unchanged, or 0 (compat.h: 3.12+ skip the
+                                  per-dict checks while the clock stays there) */
 } CacheEntry;
 
 typedef struct {

@@ -283,6 +283,18 @@ guarded_dict(ValueGuard *guard, int *stale)
     return dict;
 }
 
+int
+value_guard_dict_is_current(ValueGuard *guard)
+{
+    int stale;
+    PyObject *dict = guarded_dict(guard, &stale);   /* owned */
+    if (dict == NULL) {
+        return stale ? -1 : 0;
+    }
+    Py_DECREF(dict);
+    return 1;
+}
+
 /* How many of the dict's keys are watched names (a re-validation only).  Walks an
  * owned copy of the keys: hashing a non-str key may run Python. */
 static Py_ssize_t

@@ -526,3 +526,35 @@ def test_clock_read_by_logging_does_not_stop_the_capture(caplog):
     with caplog.at_level(logging.WARNING):
         assert torch.equal(m(torch.ones(2)), torch.full((2,), 2.0))
     assert nnscaler.cache_info(m).captures == 1
+
+
+def test_replaced_instance_dict_is_seen_even_while_the_old_one_lives():
+    # `obj.__dict__ = ...` changes no watched dict (the old one is kept alive here):
+    # the guard compares the owner's current __dict__ by identity on every check.
+    m = nnscaler.compile(Scaled())
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 4)
+    check(m, eager(ref), x)
+    check(m, eager(ref), x)
+    old = m.__dict__
+    m.__dict__ = dict(old, scale=3.0)
+    ref.scale = 3.0
+    check(m, eager(ref), x)
+    assert old["scale"] == 0.5
+
+
+def test_unchanged_dicts_are_vouched_for_by_one_clock_on_3_12_plus():
+    from nnscaler_eval import _C
+    m = nnscaler.compile(Scaled())
+    x = torch.randn(2, 4)
+    m(x)
+    m(x)
+    entry = [b for b in _buckets(m) if b.self is m][0].entries[0]
+    if _C.dict_clock() == 0:
+        assert entry.clean_clock == 0   # 3.11: every dict is checked on every hit
+        return
+    assert entry.clean_clock == _C.dict_clock()
+    m.table["a"] = 5.0                  # a watched dict changes: the clock moves
+    assert _C.dict_clock() != entry.clean_clock
+    ref = copy.deepcopy(m)
+    check(m, eager(ref), x)
