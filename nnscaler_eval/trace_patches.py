@@ -164,8 +164,8 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
 
 
 # Impure C functions whose result a trace would bake into the graph as a constant:
-# each call of the forward must see a new value, so a capture that calls one falls
-# back. Reached as `time.time()`/`os.urandom()` (a name bound by `from time import
+# each call of the forward must see a new value, so a capture whose model code calls
+# one falls back. Reached as `time.time()`/`os.urandom()` (a name bound by `from time import
 # time` before tracing is not seen; Python's and NumPy's global generators are
 # checked by their state instead, see state_guards.python_rng_state).
 _IMPURE_FUNCTIONS = (
@@ -174,8 +174,6 @@ _IMPURE_FUNCTIONS = (
             "thread_time_ns")),
     (os, ("urandom",)),
 )
-# Callers whose use of a clock never reaches a tensor (log records' timestamps).
-_IMPURE_EXEMPT_MODULES = frozenset({"logging", "warnings", "threading"})
 
 
 def _impure_patch(owner: Any, name: str) -> _Patch:
@@ -184,9 +182,13 @@ def _impure_patch(owner: Any, name: str) -> _Patch:
 
     def replacement(*args: Any, **kwargs: Any) -> Any:
         tracer = _tracing_tracer()
-        if tracer is not None and \
-                sys._getframe(1).f_globals.get("__name__") not in _IMPURE_EXEMPT_MODULES:
-            tracer.on_python_side_effect(what)
+        if tracer is not None:
+            # Only the model's own code: torch, the standard library and this package
+            # read clocks for their own bookkeeping (log records, timings, temporary
+            # names), which never reaches a tensor.
+            from nnscaler_eval.tracer import _is_library_file
+            if not _is_library_file(sys._getframe(1).f_code.co_filename):
+                tracer.on_python_side_effect(what)
         return patch.saved(*args, **kwargs)
 
     replacement.__name__ = name
