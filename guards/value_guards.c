@@ -4,6 +4,27 @@
 static const char *const kind_names[] = {"dict", "list", "cell", "function", "tensor", "call",
                                          "tensors"};
 
+/* A dict key whose hashing and comparing run no Python: exact str, int, float, bool,
+ * None, bytes, and exact tuples of them. */
+static int
+is_plain_key(PyObject *key, int depth)
+{
+    PyTypeObject *type = Py_TYPE(key);
+    if (type == &PyUnicode_Type || type == &PyLong_Type || type == &PyFloat_Type ||
+        type == &PyBool_Type || type == &PyBytes_Type || key == Py_None) {
+        return 1;
+    }
+    if (type != &PyTuple_Type || depth > 4) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); i++) {
+        if (!is_plain_key(PyTuple_GET_ITEM(key, i), depth + 1)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Equal as far as a captured graph can tell: identity, or value for immutable
  * scalars and tuples of them.  No Python code runs for these types. */
 static int
@@ -336,14 +357,22 @@ check_dict(ValueGuard *guard)
     if (version == guard->version) {
         goto done;
     }
-    /* Re-validate the recorded entries.  Owned references: a key's __eq__ may run
-     * Python that rebinds or deletes entries of this dict. */
+    /* Re-validate the recorded entries (plain keys only: no Python runs in the
+     * lookups).  Values are held as owned references all the same. */
     Py_ssize_t n = PyTuple_GET_SIZE(guard->keys);
     if (guard->exact && PyDict_GET_SIZE(dict) != n) {
         ok = 0;
     }
     for (Py_ssize_t i = 0; ok && i < n; i++) {
-        PyObject *value = PyDict_GetItemWithError(dict, PyTuple_GET_ITEM(guard->keys, i));
+        PyObject *key = PyTuple_GET_ITEM(guard->keys, i);
+        if (!is_plain_key(key, 0)) {
+            /* Looking it up would run its __eq__/__hash__, which may rewrite this dict
+             * on every comparison (CPython's lookup then restarts forever): a moved
+             * dict with such a key simply does not hold. */
+            ok = 0;
+            break;
+        }
+        PyObject *value = PyDict_GetItemWithError(dict, key);
         if (value == NULL) {
             if (PyErr_Occurred()) {
                 PyErr_Clear();

@@ -93,7 +93,7 @@ int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
 
 /* 1 when the guard holds, 0 when it does not, -1 when it can never hold again (a
  * weakly held tensor died).  Never leaves an exception set.
- * May run Python: key __eq__/__hash__ of non-str dict keys, tensor-subclass getters,
+ * May run Python: tensor-subclass getters,
  * the VG_CALL predicate.  The caller must own a reference to whatever holds `guard`. */
 int value_guard_check(ValueGuard *guard);
 
