@@ -252,8 +252,8 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())
     unsound = _unreplayable(capture, recorder, mutable, found, self, rng)
-    if unsound is not None and unsound.startswith(_CHANGED_ARGUMENT):
-        at_fault = _mutated_types_of(unsound, arguments)
+    if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
+        at_fault = _mutated_types_of(mutable, arguments)
         _remember_mutated_types(code, at_fault)
         if at_fault and not config.fullgraph:
             # This call's result stands (the forward ran once, its side effects
@@ -309,17 +309,14 @@ _SIDE_EFFECT_ON_ARGUMENT = "side effect on an argument"
 _mutated_types: "weakref.WeakKeyDictionary[Any, set[type]]" = weakref.WeakKeyDictionary()
 
 
-_CHANGED_ARGUMENT = f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed "
-
-
-def _mutated_types_of(reason: str, arguments: list[tuple[str, Any]]) -> set[type]:
-    """The types of the objects keyed by identity in the argument that `reason` (an
-    `_unreplayable` side-effect message, naming the argument first) says changed."""
-    changed = reason[len(_CHANGED_ARGUMENT):]
-    for name, value in arguments:
-        if changed.startswith(name) and changed[len(name):len(name) + 1] in ("[", " ", ""):
-            return {type(obj) for obj in state_guards.identity_keyed(value)}
-    return set()
+def _mutated_types_of(mutable: Any, arguments: list[tuple[str, Any]]) -> set[type]:
+    """The types of the objects keyed by identity in the argument the forward changed
+    (an HF cache, not a config object passed beside it)."""
+    changed = state_guards.mutated_arguments(mutable)
+    if changed is None:
+        return set()
+    value = dict(arguments)[changed[1]]
+    return {type(obj) for obj in state_guards.identity_keyed(value)}
 
 
 def _remember_mutated_types(code: Any, at_fault: set[type]) -> None:
@@ -368,7 +365,7 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
                 "generator: a graph would bake them in as constants")
     changed = state_guards.mutated_arguments(mutable)
     if changed is not None:
-        return f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed {changed}"
+        return f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed {changed[0]}"
     written = recorder.global_writes()
     if written:
         return f"side effect on globals: the forward wrote global {written[0]!r}"

@@ -413,11 +413,15 @@ def identity_keyed(value: Any, depth: int = 0) -> Iterable[Any]:
         yield value
 
 
-def argument_snapshot(values: Iterable[tuple[str, Any]]) -> list[tuple[Any, Any, str]]:
+Snapshot = list[tuple[Any, Any, str, str]]   # (container, contents, label, argument)
+
+
+def argument_snapshot(values: Iterable[tuple[str, Any]]) -> Snapshot:
     """What a forward could mutate in its non-tensor arguments: containers' items and
     objects' __dict__ contents, recursively (compared by `mutated_arguments`)."""
     seen: set[int] = set()
-    out: list[tuple[Any, Any, str]] = []
+    out: Snapshot = []
+    argument = ""
 
     def walk(value: Any, label: str, depth: int) -> None:
         if (depth > MAX_DEPTH or isinstance(value, (_ATOMS, torch.Tensor, nn.Module))
@@ -427,27 +431,28 @@ def argument_snapshot(values: Iterable[tuple[str, Any]]) -> list[tuple[Any, Any,
         seen.add(id(value))
         items: Iterable[tuple[Any, Any]]
         if isinstance(value, list):
-            out.append((value, tuple(value), f"{label} (list)"))
+            out.append((value, tuple(value), f"{label} (list)", argument))
             items = enumerate(list(value))
         elif isinstance(value, dict):
-            out.append((value, tuple(value.items()), f"{label} (dict)"))
+            out.append((value, tuple(value.items()), f"{label} (dict)", argument))
             items = list(value.items())
         elif isinstance(value, tuple):
             items = enumerate(value)
         elif isinstance(value, set):
-            out.append((value, frozenset(value), f"{label} (set)"))
+            out.append((value, frozenset(value), f"{label} (set)", argument))
             items = ()
         else:
             namespace = getattr(value, "__dict__", None)
             if type(namespace) is not dict:
                 return
             out.append((namespace, tuple(namespace.items()),
-                        f"{label} (attributes of a {type(value).__name__})"))
+                        f"{label} (attributes of a {type(value).__name__})", argument))
             items = list(namespace.items())
         for key, item in items:
             walk(item, f"{label}[{key!r}]", depth + 1)
 
     for name, value in values:
+        argument = name
         walk(value, name, 0)
     return out
 
@@ -465,9 +470,10 @@ def python_rng_state() -> tuple:
     return tuple(state)
 
 
-def mutated_arguments(snapshot: list[tuple[Any, Any, str]]) -> Optional[str]:
-    """The first container or object of `argument_snapshot` that changed, named."""
-    for container, before, label in snapshot:
+def mutated_arguments(snapshot: Snapshot) -> Optional[tuple[str, str]]:
+    """The first container or object of `argument_snapshot` that changed, named, and
+    the argument it was reached from."""
+    for container, before, label, argument in snapshot:
         if isinstance(container, set):
             now: Any = frozenset(container)
             changed = now != before
@@ -479,5 +485,5 @@ def mutated_arguments(snapshot: list[tuple[Any, Any, str]]) -> Optional[str]:
             now = tuple(container)
             changed = len(now) != len(before) or any(a is not b for a, b in zip(now, before))
         if changed:
-            return label
+            return label, argument
     return None
