@@ -345,16 +345,20 @@ def test_argument_object_referencing_the_module_is_not_kept_alive():
 
 
 class _MeddlingKey:
-    """A dict key whose __eq__ runs Python that rewrites the dict being re-validated."""
+    """A dict key whose __eq__ runs Python that rewrites the dict being looked up, once
+    per key (every time would make CPython's own lookup restart forever when the
+    rewritten dict does not get its old keys object back, as under PYTHONMALLOC=malloc)."""
 
     def __init__(self, table):
         self.table = table
+        self.meddled = False
 
     def __hash__(self):
         return 7
 
     def __eq__(self, other):
-        if isinstance(other, _MeddlingKey) and other is not self:
+        if isinstance(other, _MeddlingKey) and other is not self and not self.meddled:
+            self.meddled = True
             self.table.clear()     # frees what a borrowed walk would still hold
             self.table[self] = 5.0
         return other is self
