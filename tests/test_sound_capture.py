@@ -562,3 +562,36 @@ def test_unchanged_dicts_are_vouched_for_by_one_clock_on_3_12_plus():
     assert _C.dict_clock() != entry.clean_clock
     ref = copy.deepcopy(m)
     check(m, eager(ref), x)
+
+
+class _ResetsOnDel:
+    """An argument object whose finalizer resets every cache (Python run while C
+    holds the bucket on the eager-type path)."""
+
+    def __init__(self):
+        self.keys = torch.ones(1)   # tensors outside a pytree container: eager type
+
+    def __del__(self):
+        nnscaler.reset()
+
+
+def test_eager_type_path_survives_reset_and_finalizers_mid_call():
+    class Drops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x, store):
+            nnscaler.reset()                  # the bucket C holds is dropped meanwhile
+            store.keys = store.keys + 1
+            return self.inner(x) + store.keys
+
+    base = Drops()
+    ref = copy.deepcopy(base)
+    m = nnscaler.compile(base)
+    torch.manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        got = m(x, _ResetsOnDel())        # the store dies (and resets) after the call
+        want = ref(x, _ResetsOnDel())
+        torch.testing.assert_close(got, want)
