@@ -18,10 +18,9 @@ typedef struct CodeState {
     unsigned flags;
     int n_sites;              /* rewritten self.training sites */
     PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
-    /* owned list of (config key, list of CacheBucket) pairs, or NULL.  The key is
-     * a weak reference to the capture config (the config itself when it cannot be
-     * weakly referenced); each bucket list holds one bucket per owner (`self`, or
-     * the function object of a compiled function). */
+    /* owned list of CacheTable, one per capture config (held weakly by its table),
+     * or NULL; a table finds the bucket of an owner (`self`, or the function object
+     * of a compiled function) in O(1) (guards/cache_table.h). */
     PyObject *configs;
 } CodeState;
 

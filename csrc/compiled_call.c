@@ -19,6 +19,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *module;      /* owned (the module owns us too: a GC-visible cycle) */
     PyObject *config;      /* owned */
+    PyObject *buckets;     /* owned list: the cache buckets made in this module's calls
+                              (their home, GC-visible; cache_table.h) */
     vectorcallfunc vectorcall;
 } ModuleCall;
 
@@ -95,7 +97,7 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (target == NULL) {
         goto done;
     }
-    arm_push(&saved, self->config, NULL);
+    arm_push_home(&saved, self->config, NULL, self->buckets);
     result = PyObject_Vectorcall(target, args, nargsf, kwnames);
     arm_pop(&saved);
 done:
@@ -119,6 +121,10 @@ module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->module = Py_NewRef(module);
     self->config = Py_NewRef(config);
     self->vectorcall = module_call_vectorcall;
+    if ((self->buckets = PyList_New(0)) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -127,6 +133,7 @@ module_call_traverse(ModuleCall *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->module);
     Py_VISIT(self->config);
+    Py_VISIT(self->buckets);
     return 0;
 }
 
@@ -135,6 +142,7 @@ module_call_clear(ModuleCall *self)
 {
     Py_CLEAR(self->module);
     Py_CLEAR(self->config);
+    Py_CLEAR(self->buckets);
     return 0;
 }
 
@@ -189,6 +197,7 @@ typedef struct {
     PyObject *code;        /* owned: fn.__code__ at compile time */
     PyObject *config;      /* owned */
     PyObject *dict;        /* owned: __wrapped__, __name__, ... (functools.wraps) */
+    PyObject *buckets;     /* owned list: home of the cache buckets made in its calls */
     vectorcallfunc vectorcall;
 } CompiledFunction;
 
@@ -199,7 +208,7 @@ compiled_function_vectorcall(PyObject *callable, PyObject *const *args, size_t n
     CompiledFunction *self = (CompiledFunction *)callable;
     PyObject *fn = Py_NewRef(self->fn);   /* held: the call may clear the wrapper */
     ArmSaved saved;
-    arm_push(&saved, self->config, self->code);
+    arm_push_home(&saved, self->config, self->code, self->buckets);
     PyObject *result = PyObject_Vectorcall(fn, args, nargsf, kwnames);
     arm_pop(&saved);
     Py_DECREF(fn);
@@ -227,6 +236,10 @@ compiled_function_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->code = Py_NewRef(PyFunction_GET_CODE(fn));
     self->config = Py_NewRef(config);
     self->vectorcall = compiled_function_vectorcall;
+    if ((self->buckets = PyList_New(0)) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -246,6 +259,7 @@ compiled_function_traverse(CompiledFunction *self, visitproc visit, void *arg)
     Py_VISIT(self->code);
     Py_VISIT(self->config);
     Py_VISIT(self->dict);
+    Py_VISIT(self->buckets);
     return 0;
 }
 
@@ -256,6 +270,7 @@ compiled_function_clear(CompiledFunction *self)
     Py_CLEAR(self->code);
     Py_CLEAR(self->config);
     Py_CLEAR(self->dict);
+    Py_CLEAR(self->buckets);
     return 0;
 }
 

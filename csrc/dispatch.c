@@ -14,6 +14,7 @@
 #include "dispatch.h"
 #include "frameobject.h"
 #include "cache.h"
+#include "cache_table.h"
 #include "frame_record.h"
 #include "call_key.h"
 #include "eval_frame.h"
@@ -21,95 +22,66 @@
 
 /* ------------------------------------------------------- buckets per config */
 
-/* The config a record belongs to: its weak reference's referent, or the config
- * itself when it could not be weakly referenced (then it is pinned). */
-static inline PyObject *
-record_config(PyObject *record)
+/* Borrowed table of `config` in `cs`, or NULL when there is none yet.  Never
+ * raises; runs no Python (tables of collected configs are pruned on a miss). */
+static CacheTable *
+config_table(CodeState *cs, PyObject *config)
 {
-    PyObject *key = PyTuple_GET_ITEM(record, 0);
-    return PyWeakref_CheckRef(key) ? nns_weakref_object(key) : key;
-}
-
-/* Borrowed bucket list of `config` in `cs`, or NULL when there is none yet.
- * Never raises; runs no Python (dead records are skipped, pruned on a miss). */
-static PyObject *
-config_buckets(CodeState *cs, PyObject *config)
-{
-    PyObject *records = cs->configs;
-    if (records == NULL) {
+    PyObject *tables = cs->configs;
+    if (tables == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
-        PyObject *record = PyList_GET_ITEM(records, i);
-        if (record_config(record) == config) {
-            return PyTuple_GET_ITEM(record, 1);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tables); i++) {
+        CacheTable *table = (CacheTable *)PyList_GET_ITEM(tables, i);
+        if (cache_table_config(table) == config) {
+            return table;
         }
     }
     return NULL;
 }
 
-/* New reference to the bucket list of `config` in `cs`, created if missing;
- * records whose config was collected are dropped first.  NULL with an exception
- * set on error.  May run Python (what the dropped entries release). */
-static PyObject *
-config_buckets_create(CodeState *cs, PyObject *config)
+/* New reference to the table of `config` in `cs`, created if missing; tables
+ * whose config was collected are dropped first.  NULL with an exception set on
+ * error.  May run Python (what the dropped entries release). */
+static CacheTable *
+config_table_create(CodeState *cs, PyObject *config)
 {
-    PyObject *result = NULL;
-    /* owned */
-    PyObject *records = NULL, *key = NULL, *list = NULL, *record = NULL;
+    PyObject *tables = NULL;      /* owned: a finaliser may reset() meanwhile */
+    CacheTable *table = NULL;     /* owned */
 
     if (cs->configs != NULL) {
-        records = Py_NewRef(cs->configs);   /* a finaliser may reset() meanwhile */
-        for (Py_ssize_t i = PyList_GET_SIZE(records) - 1; i >= 0; i--) {
-            if (i < PyList_GET_SIZE(records) &&
-                record_config(PyList_GET_ITEM(records, i)) == Py_None &&
-                PySequence_DelItem(records, i) < 0) {
+        tables = Py_NewRef(cs->configs);
+        for (Py_ssize_t i = PyList_GET_SIZE(tables) - 1; i >= 0; i--) {
+            if (i < PyList_GET_SIZE(tables) &&
+                cache_table_config((CacheTable *)PyList_GET_ITEM(tables, i)) == Py_None &&
+                PySequence_DelItem(tables, i) < 0) {
                 goto done;
             }
         }
-        Py_CLEAR(records);
+        Py_CLEAR(tables);
     }
-    if (cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) {
+    if ((table = config_table(cs, config)) != NULL) {
+        Py_INCREF(table);
         goto done;
     }
-    if ((list = config_buckets(cs, config)) != NULL) {
-        result = Py_NewRef(list);
-        list = NULL;
+    if ((table = cache_table_new(config)) == NULL) {
         goto done;
     }
-    key = PyWeakref_NewRef(config, NULL);
-    if (key == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-            goto done;
-        }
-        PyErr_Clear();   /* not weakly referenceable: keyed by identity, pinned */
-        key = Py_NewRef(config);
+    if ((cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) ||
+        PyList_Append(cs->configs, (PyObject *)table) < 0) {
+        Py_CLEAR(table);
     }
-    if ((list = PyList_New(0)) == NULL || (record = PyTuple_Pack(2, key, list)) == NULL) {
-        goto done;
-    }
-    if (cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) {
-        goto done;
-    }
-    if (PyList_Append(cs->configs, record) < 0) {
-        goto done;
-    }
-    result = list;
-    list = NULL;
 done:
-    Py_XDECREF(records);
-    Py_XDECREF(key);
-    Py_XDECREF(list);
-    Py_XDECREF(record);
-    return result;
+    Py_XDECREF(tables);
+    return table;
 }
 
-/* Borrowed bucket of (`owner`, `config`), or NULL.  Runs no Python. */
+/* Borrowed live bucket of (`owner`, `config`), or NULL.  Runs no Python. */
 static CacheBucket *
 find_bucket(CodeState *cs, PyObject *config, PyObject *owner)
 {
-    PyObject *buckets = config_buckets(cs, config);
-    return buckets ? cache_find_bucket(buckets, owner) : NULL;
+    CacheTable *table = config_table(cs, config);
+    return table ? cache_table_find(table, owner) : NULL;
 }
 
 /* ------------------------------------------------------------------- runner */
@@ -283,7 +255,8 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
 {
     PyObject *result = NULL;
     /* owned */
-    PyObject *fn = NULL, *slot_tuple = NULL, *reply = NULL, *buckets = NULL;
+    PyObject *fn = NULL, *slot_tuple = NULL, *reply = NULL;
+    CacheTable *table = NULL;
     CacheBucket *held = NULL;
     /* borrowed: the frame's own, stable until it returns */
     PyObject **slots = nns_frame_localsplus(frame);
@@ -291,14 +264,13 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     CallKey key;
     call_key_init(&key, 1);
 
-    if (bucket == NULL) {
-        if ((buckets = config_buckets_create(cs, config)) == NULL ||
-            (bucket = cache_new_bucket(&buckets, owner)) == NULL) {
-            goto internal_error;
-        }
+    if (bucket != NULL) {
+        held = (CacheBucket *)Py_NewRef(bucket);   /* convert_frame may reset() */
     }
-    /* convert_frame may reset() the caches or prune the bucket list */
-    held = (CacheBucket *)Py_NewRef(bucket);
+    else if ((table = config_table_create(cs, config)) == NULL ||
+             (held = cache_table_add(table, owner, arm_current_home(ts))) == NULL) {
+        goto internal_error;
+    }
     held->misses++;
     if (call_key_build(&key, slots + skip, n - skip) < 0) {
         goto internal_error;
@@ -390,7 +362,7 @@ done:
     Py_XDECREF(fn);
     Py_XDECREF(slot_tuple);
     Py_XDECREF(reply);
-    Py_XDECREF(buckets);
+    Py_XDECREF(table);
     Py_XDECREF(held);
     return result;
 }

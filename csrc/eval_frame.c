@@ -142,6 +142,8 @@ typedef struct ArmState {
     PyObject_HEAD
     PyObject *config;        /* owned or NULL (disable()) */
     PyObject *target;        /* owned or NULL */
+    PyObject *home;          /* owned list or NULL: owns the cache buckets made in the
+                                region (the config's; cache_table.h) */
     PyObject *prev;          /* owned ArmState or NULL: the value this one replaced */
     uint64_t seq;            /* order of creation, against call regions */
     int active;
@@ -153,6 +155,7 @@ arm_state_traverse(ArmState *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->config);
     Py_VISIT(self->target);
+    Py_VISIT(self->home);
     Py_VISIT(self->prev);
     return 0;
 }
@@ -162,6 +165,7 @@ arm_state_clear(ArmState *self)
 {
     Py_CLEAR(self->config);
     Py_CLEAR(self->target);
+    Py_CLEAR(self->home);
     Py_CLEAR(self->prev);
     return 0;
 }
@@ -288,11 +292,18 @@ arm_current(PyObject **config, PyObject **target)
 void
 arm_push(ArmSaved *saved, PyObject *config, PyObject *target)
 {
+    arm_push_home(saved, config, target, NULL);
+}
+
+void
+arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *home)
+{
     ThreadArm *arm = &tls_arm;
     int now = is_armed_config(config);
     saved->outer = arm->calls;
     saved->config = now ? Py_NewRef(config) : NULL;
     saved->target = (now && target != NULL) ? Py_NewRef(target) : NULL;
+    saved->home = (now && home != NULL) ? Py_NewRef(home) : NULL;
     saved->seq = arm_seq;
     if (now) {
         PyObject *outer_config, *outer_target;
@@ -319,6 +330,7 @@ arm_pop(ArmSaved *saved)
     ThreadArm *arm = &tls_arm;
     PyObject *config = saved->config;
     PyObject *target = saved->target;
+    PyObject *home = saved->home;
     /* LIFO by construction (C nesting); unlink by search all the same, so that a
      * mistake can only leave a region open, never a dangling pointer. */
     ArmSaved **link = &arm->calls;
@@ -330,9 +342,28 @@ arm_pop(ArmSaved *saved)
     }
     saved->config = NULL;
     saved->target = NULL;
+    saved->home = NULL;
     count_close(&saved->count);
     Py_XDECREF(config);
     Py_XDECREF(target);
+    Py_XDECREF(home);
+}
+
+PyObject *
+arm_current_home(PyThreadState *ts)
+{
+    PyObject *config, *target;
+    RegionCount *count;
+    if (arm_resolve_region(ts, &config, &target, &count) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    ArmSaved *call = tls_arm.calls;
+    if (call != NULL && count == &call->count) {
+        return call->home;
+    }
+    ArmState *state = tls_arm.state;   /* what arm_resolve_region just refreshed */
+    return (state != NULL && count == &state->count) ? state->home : NULL;
 }
 
 /* ------------------------------------------------------- tokens and threads */
@@ -470,7 +501,7 @@ PyTypeObject ArmToken_Type = {
 };
 
 PyObject *
-arm_context(PyObject *config, PyObject *target)
+arm_context(PyObject *config, PyObject *target, PyObject *home)
 {
     PyObject *result = NULL;
     /* owned */
@@ -503,6 +534,7 @@ arm_context(PyObject *config, PyObject *target)
     }
     state->config = now ? Py_NewRef(config) : NULL;
     state->target = (now && target != NULL) ? Py_NewRef(target) : NULL;
+    state->home = (now && home != NULL) ? Py_NewRef(home) : NULL;
     state->prev = prev;   /* moved */
     prev = NULL;
     state->seq = ++arm_seq;

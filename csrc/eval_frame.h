@@ -47,6 +47,8 @@ typedef struct ArmSaved {
     struct ArmSaved *outer;  /* the call region below this one, or NULL */
     PyObject *config;        /* owned; NULL: nothing armed (own code, decide) */
     PyObject *target;        /* owned or NULL: code captured even if not a forward */
+    PyObject *home;          /* owned or NULL: the list that owns the cache buckets made
+                              * in this region (a compiled wrapper's; cache_table.h) */
     uint64_t seq;            /* context regions armed later than this have a larger seq */
     RegionCount count;
 } ArmSaved;
@@ -60,15 +62,19 @@ int eval_frame_init(PyObject *module);
  * no Python.  Every arm_push is matched by arm_pop with the same ArmSaved, on the
  * same thread, in LIFO order (C nesting). */
 void arm_push(ArmSaved *saved, PyObject *config, PyObject *target);
+/* arm_push, and the buckets made in the region are owned by `home` (borrowed, a
+ * list; may be NULL), so that the GC sees them (cache_table.h). */
+void arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *home);
 /* Pop what arm_push pushed. Never fails; may uninstall the hook.  Runs Python only
  * if it drops the last reference to the config (a finaliser or weakref callback:
  * the compiled wrapper was deleted during its own call). */
 void arm_pop(ArmSaved *saved);
 
-/* Arm the current context with `config` (borrowed) and `target` (borrowed, a code
- * object or NULL).  New reference to an ArmToken, or NULL with an exception set.
- * Runs no Python code. */
-PyObject *arm_context(PyObject *config, PyObject *target);
+/* Arm the current context with `config` (borrowed), `target` (borrowed, a code
+ * object or NULL) and `home` (borrowed list or NULL: owns the cache buckets made in
+ * the region).  New reference to an ArmToken, or NULL with an exception set.  Runs
+ * no Python code. */
+PyObject *arm_context(PyObject *config, PyObject *target, PyObject *home);
 /* Close the region of `token` (borrowed).  0, or -1 with RuntimeError/TypeError
  * saying what was wrong (another thread, another context, out of order, used
  * twice).  Runs no Python code. */
@@ -78,6 +84,10 @@ int disarm_context(PyObject *token);
  * target code (may be NULL).  -1 with an exception set only if the context lookup
  * failed, which cannot happen once a context exists. */
 int arm_current(PyObject **config, PyObject **target);
+
+/* Borrowed home list of this thread's innermost region when it is a call region
+ * pushed with one, else NULL.  Runs no Python, never raises. */
+PyObject *arm_current_home(PyThreadState *ts);
 
 /* 1 while the hook is installed in this interpreter. */
 int eval_frame_installed(void);

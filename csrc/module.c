@@ -4,6 +4,7 @@
  * interpreter: the PEP 523 hook reaches its state through nns_globals. */
 #include "bytecode.h"
 #include "cache.h"
+#include "cache_table.h"
 #include "code_state.h"
 #include "frame_record.h"
 #include "compat.h"
@@ -39,29 +40,37 @@ nns_report_internal_error(const char *where)
 /* ------------------------------------------------------------------ arming */
 
 PyDoc_STRVAR(arm_doc,
-"arm(config, target=None) -> token\n\nArm the current context on this thread: `config` is\n"
-"the rewrite-mode object, a capture config, or None (disarm, as disable() does).\n"
-"`target` is a code object captured even when it is not a module forward.  Returns\n"
-"a token for disarm(), to be used on this thread, in this context, innermost first.");
+"arm(config, target=None, home=None) -> token\n\nArm the current context on this thread:\n"
+"`config` is the rewrite-mode object, a capture config, or None (disarm, as disable()\n"
+"does).  `target` is a code object captured even when it is not a module forward.\n"
+"`home` is a list that owns the cache buckets made in the region (the GC sees them\n"
+"there; without one the code objects' tables own them).  Returns a token for\n"
+"disarm(), to be used on this thread, in this context, innermost first.");
 
 static PyObject *
 py_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "arm(config, target=None)");
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "arm(config, target=None, home=None)");
         return NULL;
     }
-    PyObject *target = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    PyObject *target = nargs >= 2 && args[1] != Py_None ? args[1] : NULL;
+    PyObject *home = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
     if (target != NULL && !PyCode_Check(target)) {
         PyErr_Format(PyExc_TypeError, "arm(): target must be a code object, not %.100s",
                      Py_TYPE(target)->tp_name);
+        return NULL;
+    }
+    if (home != NULL && !PyList_CheckExact(home)) {
+        PyErr_Format(PyExc_TypeError, "arm(): home must be a list, not %.100s",
+                     Py_TYPE(home)->tp_name);
         return NULL;
     }
     if (nns_globals.ifexpr == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "nnscaler_eval._C.install() has not run");
         return NULL;
     }
-    return arm_context(args[0], target);
+    return arm_context(args[0], target, home);
 }
 
 PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nClose the region the matching arm() opened.");
@@ -170,24 +179,23 @@ bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
     return bytecode_roundtrip((PyCodeObject *)code);
 }
 
-/* New list of every bucket of `cs`, all configs together.  May run Python (an
- * allocation can collect garbage), so the record list is held while walked. */
+/* New list of every live bucket of `cs`, all configs together.  May run Python (an
+ * allocation can collect garbage), so the table list is held while walked. */
 static PyObject *
 all_buckets(CodeState *cs)
 {
     PyObject *result = PyList_New(0);
-    PyObject *records = cs->configs ? Py_NewRef(cs->configs) : NULL;   /* owned */
-    for (Py_ssize_t i = 0; result != NULL && records != NULL &&
-                           i < PyList_GET_SIZE(records); i++) {
-        PyObject *record = Py_NewRef(PyList_GET_ITEM(records, i));
-        PyObject *buckets = PyTuple_GET_ITEM(record, 1);
+    PyObject *tables = cs->configs ? Py_NewRef(cs->configs) : NULL;   /* owned */
+    for (Py_ssize_t i = 0; result != NULL && tables != NULL &&
+                           i < PyList_GET_SIZE(tables); i++) {
+        PyObject *buckets = cache_table_buckets((CacheTable *)PyList_GET_ITEM(tables, i));
         Py_ssize_t end = PyList_GET_SIZE(result);
-        if (PyList_SetSlice(result, end, end, buckets) < 0) {
+        if (buckets == NULL || PyList_SetSlice(result, end, end, buckets) < 0) {
             Py_CLEAR(result);
         }
-        Py_DECREF(record);
+        Py_XDECREF(buckets);
     }
-    Py_XDECREF(records);
+    Py_XDECREF(tables);
     return result;
 }
 
@@ -252,9 +260,17 @@ py_clear_cache(PyObject *Py_UNUSED(module), PyObject *code)
         return NULL;
     }
     CodeState *cs = code_state_peek((PyCodeObject *)code);
-    if (cs != NULL) {
-        Py_CLEAR(cs->configs);   /* a dispatch in progress holds what it uses */
+    PyObject *tables = cs != NULL ? cs->configs : NULL;   /* owned below */
+    if (tables == NULL) {
+        Py_RETURN_NONE;
     }
+    /* Buckets owned by a compiled wrapper outlive the table: retire them too.  A
+     * dispatch in progress holds what it uses. */
+    cs->configs = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tables); i++) {
+        cache_table_retire_all((CacheTable *)PyList_GET_ITEM(tables, i));
+    }
+    Py_DECREF(tables);
     Py_RETURN_NONE;
 }
 
@@ -382,6 +398,7 @@ module_exec(PyObject *module)
     }
     if (add_type(module, &CacheEntry_Type, "CacheEntry") < 0 ||
         add_type(module, &CacheBucket_Type, "CacheBucket") < 0 ||
+        add_type(module, &CacheTable_Type, "CacheTable") < 0 ||
         add_type(module, &ModuleCall_Type, "ModuleCall") < 0 ||
         add_type(module, &CompiledFunction_Type, "CompiledFunction") < 0 ||
         eval_frame_init(module) < 0) {

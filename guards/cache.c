@@ -397,8 +397,23 @@ static void
 bucket_dealloc(CacheBucket *self)
 {
     PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)self);
+    }
     bucket_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+void
+cache_bucket_retire(CacheBucket *bucket)
+{
+    bucket->dead = 1;
+    bucket->misses = bucket->fallbacks = bucket->captures = bucket->hits = 0;
+    PyObject *entries = bucket->entries;
+    bucket->entries = PyList_New(0);   /* NULL on memory error: lookups then treat it as empty */
+    PyErr_Clear();
+    Py_CLEAR(bucket->self_ref);
+    Py_XDECREF(entries);               /* last: may run Python */
 }
 
 /* The weakref callback: `self` was collected, so its graphs (and the parameters
@@ -406,12 +421,9 @@ bucket_dealloc(CacheBucket *self)
 static PyObject *
 bucket_on_self_collected(PyObject *bucket_obj, PyObject *Py_UNUSED(ref))
 {
-    CacheBucket *bucket = (CacheBucket *)bucket_obj;
-    bucket->dead = 1;
-    PyObject *entries = bucket->entries;
-    bucket->entries = PyList_New(0);   /* NULL on memory error: lookups then treat it as empty */
-    Py_XDECREF(entries);
-    Py_CLEAR(bucket->self_ref);
+    CacheBucket *bucket = (CacheBucket *)Py_NewRef(bucket_obj);
+    cache_bucket_retire(bucket);
+    Py_DECREF(bucket);
     Py_RETURN_NONE;
 }
 
@@ -501,6 +513,7 @@ PyTypeObject CacheBucket_Type = {
     .tp_basicsize = sizeof(CacheBucket),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The cache entries of one code object for one `self`.",
+    .tp_weaklistoffset = offsetof(CacheBucket, weakreflist),
     .tp_dealloc = (destructor)bucket_dealloc,
     .tp_traverse = (traverseproc)bucket_traverse,
     .tp_clear = (inquiry)bucket_clear,
@@ -510,68 +523,36 @@ PyTypeObject CacheBucket_Type = {
 };
 
 CacheBucket *
-cache_find_bucket(PyObject *buckets, PyObject *self)
-{
-    if (buckets == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(buckets); i++) {
-        CacheBucket *b = (CacheBucket *)PyList_GET_ITEM(buckets, i);
-        if (b->dead) {
-            /* Pruning cannot fail: deleting one item shrinks the list. */
-            if (PySequence_DelItem(buckets, i) < 0) {
-                PyErr_Clear();
-                return NULL;
-            }
-            i--;
-            continue;
-        }
-        if (b->self_id == (void *)self) {
-            return b;
-        }
-    }
-    return NULL;
-}
-
-CacheBucket *
-cache_new_bucket(PyObject **buckets, PyObject *self)
+cache_bucket_new(PyObject *owner)
 {
     CacheBucket *bucket = NULL;   /* owned */
     PyObject *callback = NULL;    /* owned */
-    if (*buckets == NULL && (*buckets = PyList_New(0)) == NULL) {
-        return NULL;
-    }
     bucket = PyObject_GC_New(CacheBucket, &CacheBucket_Type);
     if (bucket == NULL) {
         return NULL;
     }
     bucket->self_ref = NULL;
-    bucket->self_id = self;
+    bucket->self_id = owner;
     bucket->dead = 0;
     bucket->misses = bucket->fallbacks = bucket->captures = bucket->hits = 0;
     bucket->limit_warned = 0;
     bucket->entries = PyList_New(0);
     bucket->dropped = NULL;
     bucket->eager_types = NULL;
+    bucket->weakreflist = NULL;
     PyObject_GC_Track(bucket);
     if (bucket->entries == NULL) {
         goto error;
     }
-    if (self != NULL) {
-        callback = PyCFunction_New(&bucket_callback_def, (PyObject *)bucket);
-        if (callback == NULL) {
-            goto error;
-        }
-        bucket->self_ref = PyWeakref_NewRef(self, callback);
-        if (bucket->self_ref == NULL) {
-            goto error;
-        }
-    }
-    if (PyList_Append(*buckets, (PyObject *)bucket) < 0) {
+    callback = PyCFunction_New(&bucket_callback_def, (PyObject *)bucket);
+    if (callback == NULL) {
         goto error;
     }
-    Py_XDECREF(callback);
-    Py_DECREF(bucket);   /* the list owns it now */
+    bucket->self_ref = PyWeakref_NewRef(owner, callback);
+    if (bucket->self_ref == NULL) {
+        goto error;
+    }
+    Py_DECREF(callback);
     return bucket;
 error:
     Py_XDECREF(callback);
@@ -742,6 +723,9 @@ cache_lookup(CacheBucket *bucket, const CallKey *key)
 int
 cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key)
 {
+    if (bucket->dead) {
+        return 0;   /* reset() (or the owner's death) retired it during the capture */
+    }
     if (bucket->entries == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "nnscaler: cache bucket has no entry list");
         return -1;

@@ -13,8 +13,9 @@
  * References: an entry owns its runner, the guarded dicts and value guards, weak
  * references to modules, weak references to the objects its key names by identity
  * where they can be weakly referenced (strong ones otherwise), and `info`.  Strong
- * references it holds (guarded dicts, hook dicts, expected values) can still lead back
- * to a module: the cache lives in co_extra, which the GC cannot see.
+ * references it holds (guarded dicts, hook dicts, expected values) can lead back to
+ * a module or to the compiled wrapper; every one of them is traversed, and buckets
+ * are owned by a GC-visible home (cache_table.h), so such cycles are collected.
  */
 #ifndef NNSCALER_CACHE_H
 #define NNSCALER_CACHE_H
@@ -55,7 +56,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *self_ref;        /* owned weakref to `self` (with a callback), or NULL */
     void *self_id;             /* identity of `self` (NULL for function targets) */
-    int dead;                  /* `self` was collected: entries released */
+    int dead;                  /* `self` was collected or reset() retired the bucket:
+                                  entries released, never found again */
     PyObject *entries;         /* owned list of CacheEntry, most recently used first */
     PyObject *dropped;         /* owned list of str or NULL: why stale entries were
                                   dropped since the miss path last looked (logs) */
@@ -67,6 +69,7 @@ typedef struct {
                                   generate(), mutated in place) */
     Py_ssize_t misses, fallbacks, captures, hits;
     int limit_warned;
+    PyObject *weakreflist;     /* a CacheTable refers to a bucket a home owns weakly */
 } CacheBucket;
 
 extern PyTypeObject CacheEntry_Type;
@@ -79,11 +82,14 @@ extern PyTypeObject CacheBucket_Type;
  * owns a reference to `entry`. */
 int cache_entry_check(CacheEntry *entry, Py_ssize_t *failed);
 
-/* Borrowed bucket of `self` (NULL for function targets) in `buckets` (a list, may be
- * NULL), or NULL when there is none.  Drops buckets whose self died. */
-CacheBucket *cache_find_bucket(PyObject *buckets, PyObject *self);
-/* New bucket appended to *buckets (created if NULL). Borrowed result; NULL on error. */
-CacheBucket *cache_new_bucket(PyObject **buckets, PyObject *self);
+/* New bucket of `owner` (borrowed: `self`, or the function object of a compiled
+ * function), which it holds weakly.  New reference; NULL with an exception set. */
+CacheBucket *cache_bucket_new(PyObject *owner);
+
+/* reset(): the bucket is dead from now on; its entries and counters are dropped.
+ * Never fails.  May run Python (what the entries release): the caller owns a
+ * reference to `bucket`. */
+void cache_bucket_retire(CacheBucket *bucket);
 
 /* 1 when one of `args` is (or directly holds, up to a small depth) an object of one
  * of the bucket's eager_types, else 0.  Runs no Python, never raises. */
@@ -95,7 +101,7 @@ int cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssi
 CacheEntry *cache_lookup(CacheBucket *bucket, const CallKey *key);
 
 /* Store `entry` under `key` (its data and pins move into the entry; `key` is left
- * empty).  Entries with the same key that are stale are replaced. 0 / -1. */
+ * empty).  A dead bucket (reset() during the capture) stores nothing.  0 / -1. */
 int cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key);
 
 /* Module-level read of a module's training flag, normalised to Py_True/Py_False.

@@ -16,6 +16,10 @@ class CompileConfig:
     # None for the built-in "eager" backend (the graph as generated Python).
     backend_fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     backend_name: str = "eager"
+    # Owns the cache buckets made in enable(backend=...) regions armed with this
+    # config (a compiled module's or function's own wrapper owns those of its calls):
+    # a GC-visible home, so a cycle through a cache entry can be collected.
+    cache_home: list = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -43,6 +47,12 @@ class CompileConfig:
         backend_fn, backend_name = resolve_backend(backend)
         return cls(backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit,
                    backend_fn, backend_name)
+
+    def arm(self, target: Any = None) -> Any:
+        """Arm the current context with this config (`_C.disarm` the token)."""
+        from nnscaler_eval import _C
+
+        return _C.arm(self, target, self.cache_home)
 
     def __reduce__(self) -> Any:
         return (CompileConfig.create, (self.backend, self.fullgraph,

@@ -20,6 +20,12 @@ from nnscaler_eval._install import REWRITE_MODE
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _arm(config: Any) -> Any:
+    """A capture config arms with its cache home; rewrite mode and None without."""
+    arm = getattr(type(config), "arm", None)
+    return arm(config) if arm is not None else _C.arm(config)
+
+
 # The `with` blocks open in this context, innermost last: (the _Armed object, its
 # token).  One variable for all of them, so that no context accumulates entries.
 _open_blocks: contextvars.ContextVar[tuple[tuple[Any, Any], ...]] = contextvars.ContextVar(
@@ -36,7 +42,7 @@ class _Armed:
         self._config = config
 
     def __enter__(self) -> "_Armed":
-        token = _C.arm(self._config)
+        token = _arm(self._config)
         _open_blocks.set(_open_blocks.get() + ((self, token),))
         return self
 
@@ -57,7 +63,7 @@ class _Armed:
 
         @functools.wraps(fn)
         def armed(*args: Any, **kwargs: Any) -> Any:
-            token = _C.arm(config)
+            token = _arm(config)
             try:
                 return fn(*args, **kwargs)
             finally:

@@ -133,7 +133,7 @@ def explain(obj: Any, *args: Any, **kwargs: Any) -> ExplainReport:
     _clear_obj(obj)
     config = compiled_config(obj) or CompileConfig.create()
     with collect_captures() as collector:
-        token = _C.arm(config) if compiled_config(obj) is None else None
+        token = config.arm() if compiled_config(obj) is None else None
         try:
             if isinstance(obj, types.FunctionType):
                 result = _C.CompiledFunction(obj, config)(*args, **kwargs)

@@ -448,10 +448,6 @@ def test_compiled_wrappers_hold_no_cycle_hidden_from_the_gc():
     assert _collected(module_call_after_calls_without_hooks)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "guards: the value guard on step's closure cell holds `box` (a list: no weak "
-    "reference possible) strongly, and entries live under co_extra, which the GC "
-    "cannot traverse; needs the cache owned by a GC-visible object"))
 def test_function_referring_to_its_wrapper_through_a_closure_is_collectable():
     def function_referring_to_its_wrapper():
         box: list = []
@@ -468,10 +464,6 @@ def test_function_referring_to_its_wrapper_through_a_closure_is_collectable():
     assert _collected(function_referring_to_its_wrapper)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "guards/cache.c: a CacheEntry holds its guarded dicts (the child's _forward_hooks, "
-    "which holds root.double) by strong reference, and entries live under co_extra, "
-    "which the GC cannot traverse; the lead's rewrite of guards/ owns this"))
 def test_root_with_its_own_bound_method_as_a_child_hook_is_collectable():
     def make():
         root = nnscaler.compile(_SelfHookingRoot())
@@ -481,6 +473,140 @@ def test_root_with_its_own_bound_method_as_a_child_hook_is_collectable():
         return weakref.ref(root)
 
     assert _collected(make)
+
+
+class _Leaf(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+class _Middle(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf = _Leaf()
+
+    def forward(self, x):
+        return self.leaf(x) * 3
+
+
+class _GrandparentHooking(torch.nn.Module):
+    """root -> middle -> leaf, and leaf's hook is a bound method of root: the cycle
+    runs through the middle module's own cache entry, not the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.middle = _Middle()
+        self.middle.leaf.register_forward_hook(self.double)
+
+    def double(self, module, inputs, output):
+        return output * 2
+
+    def forward(self, x):
+        return self.middle(x) - 1
+
+
+def test_cycle_through_a_submodule_entry_is_collectable():
+    def make():
+        root = nnscaler.compile(_GrandparentHooking())
+        x = torch.ones(1)
+        for _ in range(3):
+            assert torch.equal(root(x), (x + 1) * 2 * 3 - 1)
+        return weakref.ref(root)
+
+    assert _collected(make)
+
+
+def test_enable_region_caches_do_not_keep_modules_alive():
+    def in_a_block():
+        root = _SelfHookingRoot()
+        x = torch.ones(1)
+        with nnscaler.eval_frame.enable(backend="eager"):
+            for _ in range(3):
+                assert torch.equal(root(x), x * 2 + 1)
+        assert nnscaler.cache_info(root).captures >= 1
+        return weakref.ref(root)
+
+    def under_a_live_decorator():
+        root = _SelfHookingRoot()
+        step = nnscaler.eval_frame.enable(backend="eager")(lambda x: root(x))
+        root.step = step                    # root -> step -> config -> caches -> root
+        x = torch.ones(1)
+        for _ in range(3):
+            assert torch.equal(root.step(x), x * 2 + 1)
+        assert nnscaler.cache_info(root).hits >= 1
+        return weakref.ref(root)
+
+    assert _collected(in_a_block)
+    assert _collected(under_a_live_decorator)
+
+
+def _homes(module: torch.nn.Module) -> list:
+    call = module.__dict__["_compiled_call_impl"]
+    return [o for o in gc.get_referents(call) if type(o) is list]
+
+
+def test_reset_retires_the_buckets_a_compiled_module_owns():
+    m = nnscaler.compile(_Middle())
+    x = torch.ones(2)
+    for _ in range(50):
+        assert torch.equal(m(x), (x + 1) * 3)
+        assert torch.equal(m(x), (x + 1) * 3)
+        info = nnscaler.cache_info(m)
+        assert (info.captures, info.hits) == (1, 1)
+        nnscaler.reset()
+        assert nnscaler.cache_info(m) == nnscaler.cache_info(_Leaf())   # all zero
+    (home,) = _homes(m)
+    assert len(home) <= 2   # retired buckets leave the home on its next capture
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = torch.nn.Parameter(torch.tensor(k))
+
+    def forward(self, x):
+        return x * self.k
+
+
+def test_hundreds_of_instances_find_their_own_buckets_and_reused_addresses_do_not():
+    Compiled = nnscaler.compile(type("Compiled", (_Scaled,), {}))
+    x = torch.ones(3)
+    with torch.no_grad():
+        models = [Compiled(float(i)) for i in range(600)]
+        for _ in range(2):
+            for i, m in enumerate(models):
+                assert torch.equal(m(x), x * i)
+        assert all(nnscaler.cache_info(m)[:2] == (1, 1) for m in models)
+        # Free half; new instances often take the freed addresses.
+        del models[::2]
+        gc.collect()
+        fresh = [Compiled(-float(i)) for i in range(300)]
+        for i, m in enumerate(fresh):
+            assert torch.equal(m(x), x * -i)
+            assert nnscaler.cache_info(m)[:2] == (1, 0)
+        for m in models:
+            assert nnscaler.cache_info(m)[:2] == (1, 1)
+
+
+def test_a_child_shared_by_two_roots_outlives_the_root_that_captured_it():
+    Root = nnscaler.compile(type("Root", (torch.nn.Module,), {
+        "__init__": lambda self, child: (torch.nn.Module.__init__(self),
+                                         setattr(self, "child", child))[0],
+        "forward": lambda self, x: self.child(x) + 1,
+    }))
+    shared = _Middle()
+    a, b = Root(shared), Root(shared)
+    x = torch.ones(2)
+    assert torch.equal(a(x), (x + 1) * 3 + 1)
+    assert torch.equal(b(x), (x + 1) * 3 + 1)
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None
+    for _ in range(2):
+        assert torch.equal(b(x), (x + 1) * 3 + 1)
+    shared.leaf.register_forward_hook(lambda mod, inputs, out: out * 10)
+    assert torch.equal(b(x), (x + 1) * 10 * 3 + 1)
 
 
 # ------------------------------------------------------------------- 8. asan
