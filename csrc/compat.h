@@ -168,6 +168,30 @@ nns_weakref_object(PyObject *ref)
 #endif
 }
 
+/* The instance __dict__ of `obj`, borrowed, or NULL when it has none (a dict of
+ * inline values is materialised first).  Runs no Python, never raises. */
+static inline PyObject *
+nns_object_dict(PyObject *obj)
+{
+    PyObject **dictptr = _PyObject_GetDictPtr(obj);
+    return dictptr != NULL ? *dictptr : NULL;
+}
+
+/* 1 when reading attribute `name` (an interned str) of an instance of `tp` finds
+ * an instance __dict__ entry first, running no Python to get there: the type's
+ * __getattribute__ is object's and `name` is no data descriptor (property) on the
+ * type.  Cached per (type, name) under the type's version tag, so a class changed
+ * later is looked at again.  Runs no Python, never raises. */
+int nns_type_reads_instance_dict(PyTypeObject *tp, PyObject *name);
+
+/* Borrowed attribute `name` of `tp` found along its MRO without calling anything
+ * (_PyType_Lookup), or NULL.  Runs no Python, never raises. */
+static inline PyObject *
+nns_type_lookup(PyTypeObject *tp, PyObject *name)
+{
+    return _PyType_Lookup(tp, name);
+}
+
 /* ---- bytecode tables (filled per version) ---- */
 typedef struct {
     int cache_entries[256];   /* inline CACHE code units after each opcode */

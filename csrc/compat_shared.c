@@ -3,7 +3,10 @@
  *   - the evaluator bracket (nns_frame_run_enter/leave), which decides whether a
  *     frame must be cleared and popped by us (compat.h);
  *   - the dict-change tracker behind nns_dict_version() on 3.12+, built on the
- *     public dict-watcher API (PyDict_AddWatcher, PEP 509's successor).
+ *     public dict-watcher API (PyDict_AddWatcher, PEP 509's successor);
+ *   - which types read an attribute from the instance __dict__ without Python
+ *     (nns_type_reads_instance_dict), on _PyType_Lookup and tp_version_tag, the
+ *     same in 3.11-3.14.
  * No CPython internals here: the per-version files hold those.
  */
 #include "compat.h"
@@ -198,3 +201,58 @@ nns_dict_version(PyObject *dict)
 }
 
 #endif /* !NNS_PY311 */
+
+/* ------------------------------------------------- plain instance attributes */
+
+/* A direct-mapped cache: (type, name) -> decision, valid while the type's version
+ * tag is the one recorded.  CPython gives a type a new tag (from a global counter,
+ * never reused) after any change to it or its bases, and 0 while it has none. */
+#define PLAIN_ATTR_SLOTS 64
+
+typedef struct {
+    PyTypeObject *type;
+    PyObject *name;
+    unsigned int tag;
+    int plain;
+} PlainAttrSlot;
+
+static PlainAttrSlot plain_attr_cache[PLAIN_ATTR_SLOTS];
+static PyObject *getattribute_name;     /* "__getattribute__", interned */
+static PyObject *object_getattribute;   /* object.__getattribute__'s descriptor */
+
+static int
+reads_instance_dict_uncached(PyTypeObject *tp, PyObject *name)
+{
+    if (getattribute_name == NULL) {
+        if ((getattribute_name = PyUnicode_InternFromString("__getattribute__")) == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        object_getattribute = Py_XNewRef(_PyType_Lookup(&PyBaseObject_Type, getattribute_name));
+    }
+    if (object_getattribute == NULL ||
+        _PyType_Lookup(tp, getattribute_name) != object_getattribute) {
+        return 0;
+    }
+    PyObject *attr = _PyType_Lookup(tp, name);
+    return attr == NULL || Py_TYPE(attr)->tp_descr_set == NULL;
+}
+
+int
+nns_type_reads_instance_dict(PyTypeObject *tp, PyObject *name)
+{
+    size_t i = (((uintptr_t)tp >> 4) ^ ((uintptr_t)name >> 4)) % PLAIN_ATTR_SLOTS;
+    PlainAttrSlot *slot = &plain_attr_cache[i];
+    if (slot->type == tp && slot->name == name && slot->tag == tp->tp_version_tag &&
+        slot->tag != 0) {
+        return slot->plain;
+    }
+    int plain = reads_instance_dict_uncached(tp, name);   /* may assign a tag */
+    if (tp->tp_version_tag != 0) {
+        slot->type = tp;
+        slot->name = name;
+        slot->tag = tp->tp_version_tag;
+        slot->plain = plain;
+    }
+    return plain;
+}

@@ -56,11 +56,11 @@ module_has_hooks(PyObject *module)
             goto done;
         }
     }
-    PyObject **dictptr = _PyObject_GetDictPtr(module);
-    if (dictptr == NULL || *dictptr == NULL) {
+    PyObject *own = nns_object_dict(module);
+    if (own == NULL) {
         goto done;
     }
-    dict = Py_NewRef(*dictptr);
+    dict = Py_NewRef(own);
     PyObject *names[] = {nns_globals.str_forward_hooks, nns_globals.str_forward_pre_hooks,
                          nns_globals.str_backward_hooks, nns_globals.str_backward_pre_hooks};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
@@ -76,9 +76,62 @@ done:
     return result;
 }
 
+/* New reference to the plain function `forward` of `module`'s class when calling
+ * module.forward(...) would call exactly it (no instance attribute of that name, no
+ * __getattribute__ or descriptor in the way), else NULL.  Runs no Python except a
+ * key's __eq__ in the instance dict; NULL with an exception set on error. */
+static PyObject *
+plain_forward(PyObject *module)
+{
+    PyTypeObject *tp = Py_TYPE(module);
+    if (!nns_type_reads_instance_dict(tp, nns_globals.str_forward)) {
+        return NULL;
+    }
+    PyObject *fn = nns_type_lookup(tp, nns_globals.str_forward);
+    if (fn == NULL || !PyFunction_Check(fn)) {
+        return NULL;
+    }
+    Py_INCREF(fn);
+    PyObject *dict = nns_object_dict(module);
+    if (dict != NULL) {
+        Py_INCREF(dict);
+        int shadowed = PyDict_Contains(dict, nns_globals.str_forward);
+        Py_DECREF(dict);
+        if (shadowed != 0) {
+            Py_CLEAR(fn);   /* an instance attribute `forward`, or an error */
+        }
+    }
+    return fn;
+}
+
+/* Calls `fn(module, *args, **kwnames)` without making a bound method. */
+static PyObject *
+call_unbound(PyObject *fn, PyObject *module, PyObject *const *args, size_t nargsf,
+             PyObject *kwnames)
+{
+    PyObject *small[9];
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t total = nargs + 1 + (kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0);
+    PyObject **stack = small;
+    if (total > (Py_ssize_t)(sizeof(small) / sizeof(small[0]))) {
+        stack = PyMem_Malloc(sizeof(PyObject *) * (size_t)total);
+        if (stack == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    stack[0] = module;
+    memcpy(stack + 1, args, sizeof(PyObject *) * (size_t)(total - 1));
+    PyObject *result = PyObject_Vectorcall(fn, stack, (size_t)(nargs + 1), kwnames);
+    if (stack != small) {
+        PyMem_Free(stack);
+    }
+    return result;
+}
+
 /* Reentrancy: the hook check and the attribute read may run Python that deletes
  * this wrapper from the module or the module's other references; the module and
- * the target are held for the whole call, the config by the call region. */
+ * the target are held for the whole call, the config and the home by the call
+ * region. */
 static PyObject *
 module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -92,6 +145,19 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     int hooks = module_has_hooks(module);
     if (hooks < 0) {
         goto done;
+    }
+    if (!hooks) {
+        /* What _call_impl does without hooks is call forward: take the function
+         * from the class when nothing can intercept the lookup. */
+        if ((target = plain_forward(module)) != NULL) {
+            arm_push_home(&saved, self->config, NULL, self->buckets);
+            result = call_unbound(target, module, args, nargsf, kwnames);
+            arm_pop(&saved);
+            goto done;
+        }
+        if (PyErr_Occurred()) {
+            goto done;
+        }
     }
     target = PyObject_GetAttr(module, hooks ? nns_globals.str_call_impl : nns_globals.str_forward);
     if (target == NULL) {

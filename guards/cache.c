@@ -216,6 +216,19 @@ error:
 PyObject *
 cache_read_training(PyObject *module)
 {
+    /* The common case, no Python: `training` is a bool in the instance __dict__ and
+     * nothing on the type (a property, a __getattribute__) comes before it. */
+    if (nns_type_reads_instance_dict(Py_TYPE(module), nns_globals.str_training)) {
+        PyObject *dict = nns_object_dict(module);
+        PyObject *flag = dict != NULL && PyDict_CheckExact(dict)
+            ? PyDict_GetItemWithError(dict, nns_globals.str_training) : NULL;
+        if (flag == Py_True || flag == Py_False) {
+            return flag;
+        }
+        if (flag == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
     PyObject *flag = PyObject_GetAttr(module, nns_globals.str_training);
     if (flag == NULL) {
         return NULL;
