@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.tracer import Capture, GraphBreakError, capture
+from nnscaler_eval.capture import Capture, GraphBreakError, capture
 
 _IFEXPR_PATH = f"{ifexpr.__module__}.{ifexpr.__name__}"  # nnscaler.runtime.function.ifexpr
 

@@ -60,7 +60,7 @@ from nnscaler_eval.export import (
 )
 from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.tracer import Capture
+from nnscaler_eval.capture import Capture
 
 __all__ = ["export_for_nnscaler", "parallelize", "nnscaler_available"]
 
