@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.tracer import Capture, capture
+from nnscaler_eval.capture import Capture, capture
 
 
 class Block(nn.Module):

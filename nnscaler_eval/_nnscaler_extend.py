@@ -20,7 +20,7 @@ import types
 from types import ModuleType
 from typing import Any
 
-from nnscaler_eval import api
+from nnscaler_eval import api, microsoft_nnscaler
 
 # Names of ours that replace nnScaler's (all others are added only where nnScaler has
 # no attribute of that name).
@@ -49,8 +49,7 @@ def _route_nnscaler_ifexpr() -> None:
     parser and tracer find it by those) and gets a one-line trampoline as its code,
     calling ours, which outside a trace is `true_value if cond else false_value`, the
     same as nnScaler's body (kept as `__wrapped__`)."""
-    from nnscaler.runtime.function import function as runtime_function
-
+    runtime_function = microsoft_nnscaler.module("runtime.function.function")
     fn = getattr(runtime_function, "ifexpr", None)
     if (not isinstance(fn, types.FunctionType) or fn.__closure__
             or getattr(fn, "__nnscaler_eval_routed__", False)):

@@ -207,7 +207,7 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
 
 def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                           slots: tuple, bucket: Any) -> tuple[Any, Any]:
-    from nnscaler_eval import tracer
+    from nnscaler_eval import capture as tracer
 
     known_codes.add(code)
     where = code_location(code)
@@ -335,7 +335,7 @@ def _add_eager_types(bucket: Any, at_fault: set[type], reason: str) -> None:
 
 def _mutated_before(code: Any, names: tuple[str, ...],
                     values: tuple[Any, ...]) -> Optional[tuple[Any, type]]:
-    from nnscaler_eval import tracer
+    from nnscaler_eval import capture as tracer
     known = _mutated_types.get(code)
     if not known:
         return None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import types
 import warnings
 from typing import Any, Optional
 
@@ -34,11 +35,15 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from nnscaler_eval.capture import Capture, GraphBreakError, capture
 from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.tracer import Capture, GraphBreakError, capture
 
 _IFEXPR_PATH = f"{ifexpr.__module__}.{ifexpr.__name__}"  # nnscaler.runtime.function.ifexpr
+# What `nnscaler` means in the generated code: just the path to our ifexpr. Not the
+# `nnscaler` package, which is built on nnscaler_eval (or is Microsoft nnScaler's).
+_PUBLIC_PATH = types.SimpleNamespace(
+    runtime=types.SimpleNamespace(function=types.SimpleNamespace(ifexpr=ifexpr)))
 
 
 class ExportError(RuntimeError):
@@ -57,11 +62,9 @@ class _NnscalerCodeGen(fx.graph.CodeGen):
         code = super()._gen_python_code(*args, **kwargs)
         names = [name for name, value in code.globals.items() if value is ifexpr]
         if names:
-            import nnscaler
-
             for name in names:
                 code.src = re.sub(rf"\b{re.escape(name)}\(", f"{_IFEXPR_PATH}(", code.src)
-            code.globals["nnscaler"] = nnscaler
+            code.globals["nnscaler"] = _PUBLIC_PATH
         return code
 
 

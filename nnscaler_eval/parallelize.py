@@ -49,6 +49,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from nnscaler_eval import microsoft_nnscaler
+from nnscaler_eval.capture import Capture
 from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
 from nnscaler_eval.export import (
     ExportedGraphModule,
@@ -60,7 +62,6 @@ from nnscaler_eval.export import (
 )
 from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.tracer import Capture
 
 __all__ = ["export_for_nnscaler", "parallelize", "nnscaler_available"]
 
@@ -69,11 +70,7 @@ _seam_lock = threading.RLock()
 
 def nnscaler_available() -> bool:
     """Is Microsoft nnScaler installed (its parser importable)?"""
-    try:
-        import nnscaler.graph.parser  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return microsoft_nnscaler.available()
 
 
 def _require_nnscaler(what: str) -> None:
@@ -115,9 +112,8 @@ def parallelize(*args: Any, **kwargs: Any) -> Any:
     """`nnscaler.parallelize(...)` (same arguments) with nnscaler-eval's capture as the
     graph front end instead of nnScaler's tracer."""
     _require_nnscaler("parallelize()")
-    import nnscaler
-    from nnscaler.graph import parser as nnscaler_parser
-    from nnscaler.graph.parser.converter import _rewrite_inplace_ops
+    nnscaler_parser = microsoft_nnscaler.module("graph.parser")
+    _rewrite_inplace_ops = microsoft_nnscaler.module("graph.parser.converter")._rewrite_inplace_ops
 
     def to_fx_graph(model: nn.Module, dummy_input: dict[str, Any]) -> fx.GraphModule:
         if not isinstance(dummy_input, dict):
@@ -131,7 +127,7 @@ def parallelize(*args: Any, **kwargs: Any) -> Any:
         original = nnscaler_parser.to_fx_graph
         nnscaler_parser.to_fx_graph = to_fx_graph
         try:
-            return nnscaler.parallelize(*args, **kwargs)
+            return microsoft_nnscaler.module("parallel").parallelize(*args, **kwargs)
         finally:
             nnscaler_parser.to_fx_graph = original
 
@@ -144,7 +140,7 @@ def _where(node: fx.Node) -> str:
 
 def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                     module: nn.Module) -> fx.GraphModule:
-    from nnscaler.runtime.function import ifexpr as nnscaler_ifexpr
+    nnscaler_ifexpr = microsoft_nnscaler.module("runtime.function.function").ifexpr
 
     source = result.graph_module
     assert source is not None and result.runner_spec is not None
@@ -339,15 +335,14 @@ _FRAME_NAME = re.compile(r", in (\S+)")
 
 class _MetadataInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
-        from nnscaler.graph.tracer.metadata import extract_metadata
-
+        extract_metadata = microsoft_nnscaler.module("graph.tracer.metadata").extract_metadata
         value = super().run_node(n)
         extract_metadata(value, n)
         return value
 
 
 def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArguments) -> None:
-    from nnscaler.graph.tracer.frame_utils import FrameRecord
+    FrameRecord = microsoft_nnscaler.module("graph.tracer.frame_utils").FrameRecord
 
     inputs = []
     for node in gm.graph.nodes:

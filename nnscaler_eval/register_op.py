@@ -64,6 +64,7 @@ import types
 import warnings
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
+from nnscaler_eval import microsoft_nnscaler
 from nnscaler_eval.fx_tracing import active_fx_tracer
 from nnscaler_eval.op_annotation import (
     ERROR_PREFIX,
@@ -353,8 +354,7 @@ def _nnscaler_register_op() -> Optional[Callable[..., Any]]:
     """nnScaler's own register_op when nnScaler is installed and attached, else None."""
     if not _nnscaler_attached:
         return None
-    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
-    return cast(Callable[..., Any], nnscaler_register_op)
+    return cast(Callable[..., Any], microsoft_nnscaler.module("graph.parser.register").register_op)
 
 
 def nnscaler_op_signature(op: Any) -> Optional[str]:
@@ -367,14 +367,15 @@ def nnscaler_runtime_function(op: Any) -> Any:
     signature = nnscaler_op_signature(op)
     if signature is None or not _nnscaler_attached:
         return None
-    from nnscaler.graph.parser.register import CustomizedOps
-    return CustomizedOps.kOpRuntime.get(signature)
+    registry = microsoft_nnscaler.module("graph.parser.register").CustomizedOps
+    return registry.kOpRuntime.get(signature)
 
 
 def attach_nnscaler() -> None:
     """Hook nnScaler's op registry into ours (idempotent); adopts ops registered before."""
     global _nnscaler_attached
-    from nnscaler.graph.parser.register import CustomizedOps
+    nnscaler_registry = microsoft_nnscaler.module("graph.parser.register")
+    CustomizedOps = nnscaler_registry.CustomizedOps
 
     with _registry_lock:
         if _nnscaler_attached:
@@ -393,7 +394,7 @@ def attach_nnscaler() -> None:
     for signature, runtime_fn in list(CustomizedOps.kOpRuntime.items()):
         _adopt(signature, runtime_fn, CustomizedOps.kOpMap.get(signature))
     # Ops of ours registered before nnScaler was imported: hand them over now.
-    from nnscaler.graph.parser.register import register_op as nnscaler_register_op
+    nnscaler_register_op = nnscaler_registry.register_op
     for op in registered_ops().values():
         annotation = getattr(op, "__nnscaler_op__", None)
         if annotation is None or nnscaler_op_signature(op) is not None:

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from nnscaler_eval import _C
-from nnscaler_eval.tracer import _is_library_file
+from nnscaler_eval.capture.locations import is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -103,7 +103,7 @@ def _is_library_module(module: types.ModuleType) -> bool:
     if name.split(".", 1)[0] in ("torch", "nnscaler_eval", "builtins", "numpy"):
         return True
     filename = getattr(module, "__file__", None)
-    return filename is None or _is_library_file(filename)
+    return filename is None or is_library_file(filename)
 
 
 def _names_of(code: types.CodeType) -> Iterable[str]:
@@ -143,7 +143,7 @@ class CodeRecorder:
             self.functions.append(fn)
             code = fn.__code__
             self.codes.setdefault(id(code), code)
-            if not _is_library_file(code.co_filename):
+            if not is_library_file(code.co_filename):
                 scope = fn.__globals__
                 entry = self.globals.setdefault(id(scope), (scope, set()))
                 entry[1].update(code.co_names)
@@ -156,7 +156,7 @@ class CodeRecorder:
         for code in self.codes.values():
             filename = code.co_filename
             if filename.startswith(_OWN_DIR) or (
-                    _is_library_file(filename) and _TORCH_NN_DIR not in filename):
+                    is_library_file(filename) and _TORCH_NN_DIR not in filename):
                 continue
             names.update(_names_of(code))
         return names
@@ -167,7 +167,7 @@ class CodeRecorder:
         nested = {id(const) for code in self.codes.values() for const in code.co_consts
                   if isinstance(const, types.CodeType)}
         return [fn for fn in self.functions
-                if not _is_library_file(fn.__code__.co_filename)
+                if not is_library_file(fn.__code__.co_filename)
                 and id(fn.__code__) not in nested]
 
     def global_writes(self) -> list[str]:
@@ -177,7 +177,7 @@ class CodeRecorder:
         for code in self.codes.values():
             # Installed packages (sympy, ...) cache lazily into their own globals,
             # which changes no result of the forward.
-            if _is_library_file(code.co_filename) or _is_installed(code):
+            if is_library_file(code.co_filename) or _is_installed(code):
                 continue
             written.update(_stored_globals(code))
         return sorted(written)
@@ -335,7 +335,7 @@ class _StateWalk:
             self.guard_namespace(namespace, f"class {klass.__qualname__}", depth, names=present)
 
     def visit_function(self, fn: types.FunctionType, label: str, depth: int) -> None:
-        if _is_library_file(fn.__code__.co_filename):
+        if is_library_file(fn.__code__.co_filename):
             return
         self.out.add((VG_FUNCTION, fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__),
                      f"{label}: code and defaults of {fn.__qualname__}")

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import nnscaler
-from nnscaler_eval.tracer import GraphBreakError
+from nnscaler_eval.capture import GraphBreakError
 
 from test_tracer import replay, trace
 

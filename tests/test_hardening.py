@@ -703,7 +703,7 @@ def _first_call_headroom_at_leaf(levels: int, compiled: bool) -> int:
     "Tracer.run, slot_call's lambda, and (for the opaque child) trace_patches."
     "_module_call, Tracer.on_module_call, _call_opaque_module and original_module_call: "
     "13 recursion units per level against eager's 5; those frames are in "
-    "convert_frame.py, tracer.py and trace_patches.py"))
+    "convert_frame.py, capture/tracer.py and trace_patches.py"))
 def test_nested_first_calls_use_no_more_recursion_than_eager():
     def per_level(compiled):
         return (_first_call_headroom_at_leaf(5, compiled)

@@ -40,7 +40,7 @@ def _child(calls: int, seed: int) -> dict:
 
     import nnscaler
     from nnscaler_eval import _C, trace_patches, trace_state
-    from nnscaler_eval.tracer import Tracer
+    from nnscaler_eval.capture import Tracer
     from nnscaler_eval.tracked_values import TrainingFlag
 
     original_call = nn.Module.__dict__["__call__"]

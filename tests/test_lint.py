@@ -1,6 +1,9 @@
-"""Source checks: version tests only in the compat files; C headers state ownership."""
+"""Source checks: version tests only in the compat files; C headers state ownership;
+nnscaler_eval does not import the public `nnscaler` package built on it."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import pathlib
 import re
 
@@ -48,3 +51,79 @@ def test_one_version_file_per_minor_each_naming_its_audited_release():
     # anything past the audited versions stops the build
     tail = compat_h[compat_h.index("NNS_PY314 1"):]
     assert re.search(r"#else\s*\n#\s*error", tail)
+
+
+# The public `nnscaler` package is built on nnscaler_eval (nnscaler_eval/_nnscaler/, or
+# our names added onto Microsoft nnScaler's package), so nnscaler_eval imports its own
+# names from nnscaler_eval. These may import `nnscaler`, each for the reason given:
+NNSCALER_IMPORTERS = {
+    "nnscaler_eval/_nnscaler/":
+        "the public package itself: what `import nnscaler` gives without Microsoft nnScaler",
+    "nnscaler_eval/microsoft_nnscaler.py":
+        "the one place Microsoft nnScaler's own modules are imported, by paths only its "
+        "distribution has",
+    "nnscaler_eval/demo.py":
+        "a user program (`make demo`) written as users write it; nothing imports it",
+}
+
+
+def _nnscaler_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of each import of `nnscaler` or `nnscaler.*` in `source`:
+    import statements and import_module() / __import__() calls with a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif (isinstance(node, ast.Call) and node.args
+              and (getattr(node.func, "attr", None) or getattr(node.func, "id", None))
+              in ("import_module", "__import__")
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names
+                  if name == "nnscaler" or name.startswith("nnscaler.")]
+    return found
+
+
+def test_the_nnscaler_import_check_sees_every_form():
+    source = ("import nnscaler\nimport nnscaler_eval\nfrom nnscaler.runtime import function\n"
+              "from nnscaler_eval import api\nimportlib.import_module('nnscaler.graph')\n"
+              "def f():\n    import nnscaler.graph.parser as p\n")
+    assert [name for _, name in _nnscaler_imports(source)] == [
+        "nnscaler", "nnscaler.runtime", "nnscaler.graph", "nnscaler.graph.parser"]
+
+
+def test_nnscaler_eval_does_not_import_the_public_nnscaler_package():
+    for allowed in NNSCALER_IMPORTERS:
+        assert (ROOT / allowed).exists(), f"stale allow-list entry {allowed}"
+    offenders = []
+    for path in sorted((ROOT / "nnscaler_eval").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(tuple(NNSCALER_IMPORTERS)):
+            continue
+        offenders += [f"{rel}:{line} imports {name}"
+                      for line, name in _nnscaler_imports(path.read_text())]
+    assert offenders == [], ("take our names from nnscaler_eval, and Microsoft nnScaler's "
+                             "modules through nnscaler_eval.microsoft_nnscaler")
+
+
+def test_microsoft_nnscaler_names_only_modules_our_public_package_lacks():
+    """Each path it imports exists in Microsoft's distribution only: with nnScaler
+    absent it fails instead of quietly importing a module of ours."""
+    path = ROOT / "nnscaler_eval" / "microsoft_nnscaler.py"
+    spec = importlib.util.spec_from_file_location("_microsoft_nnscaler_lint", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)   # imports only importlib and types
+    ours = ROOT / "nnscaler_eval" / "_nnscaler"
+    for name in module.MODULES:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            stem = ours.joinpath(*parts[:depth])
+            if not (stem.is_dir() or stem.with_suffix(".py").exists()):
+                break
+        else:
+            raise AssertionError(f"nnscaler.{name} is a module of our public package too")

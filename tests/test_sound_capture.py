@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import nnscaler
 from nnscaler_eval.explain import _buckets
-from nnscaler_eval.tracer import GraphBreakError
+from nnscaler_eval.capture import GraphBreakError
 
 SCALE = 2.0
 GLOBAL_TENSOR = torch.ones(4)

@@ -1,0 +1,319 @@
+"""Classifying calls: how each torch call is written in the graph, which of its results
+are constants and which end the capture, and which module calls run opaque.
+
+The tracer asks; this module only answers, from the call and its result.
+- `classify(func)`: a Tensor property read / write, a Python operator, a Tensor method
+  or a plain function;
+- `tensorless_result(...)`: a call that returned no tensor is a node (a side effect),
+  a metadata constant (guarded by the caller's shape checks), or a graph break;
+- `DATA_ACCESS`: Tensor methods that hand tensor data to Python (always a break);
+  `makes_dynamic_shape(...)`: an op whose output shape depends on tensor values;
+- `runs_opaque(module)`: a submodule call that is one opaque `call_module` node, run
+  for real (it has hooks, or its ops run where the tracer cannot see them), instead of
+  being inlined.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as module_globals
+from torch.utils.hooks import RemovableHandle
+
+from nnscaler_eval import trace_patches
+
+# Values that go into the graph as literals.
+LITERAL_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type(Ellipsis),
+)
+# Results that never depend on tensor data.
+_METADATA_RESULT_TYPES = (torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format)
+# Tensor methods and torch functions whose Python results are metadata, not data.
+_METADATA_NAMES = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "is_signed",
+        "element_size",
+        "storage_offset",
+        "get_device",
+        "is_pinned",
+        "is_shared",
+        "is_set_to",
+        "is_same_size",
+        "is_inference",
+        "is_conj",
+        "is_neg",
+        "has_names",
+        "is_coalesced",
+        "dense_dim",
+        "sparse_dim",
+        "__len__",
+        "__hash__",
+        "type",
+        "is_tensor",
+        "is_storage",
+        "result_type",
+        "promote_types",
+        "can_cast",
+        "_is_view",
+        "is_nested",
+        "dim_order",
+    }
+)
+# Queries whose answer is a shape: not constants when the shape came from data.
+SHAPE_QUERIES = frozenset({"size", "shape", "numel", "nelement", "__len__", "stride"})
+# Ops whose output shape depends on input *values*.
+_DATA_DEPENDENT_SHAPE_OPS = frozenset(
+    {
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "_unique",
+        "_unique2",
+        "bincount",
+        "repeat_interleave",
+        "nonzero_static",
+    }
+)
+# Tensor methods that hand tensor data to Python.
+DATA_ACCESS = {
+    "__bool__": "data-dependent control flow: bool() of a tensor",
+    "item": "data-dependent value: Tensor.item()",
+    "__int__": "data-dependent value: int() of a tensor",
+    "__float__": "data-dependent value: float() of a tensor",
+    "__complex__": "data-dependent value: complex() of a tensor",
+    "__index__": "data-dependent value: a tensor used as a Python index",
+    "tolist": "data-dependent value: Tensor.tolist()",
+    "numpy": "data-dependent value: Tensor.numpy()",
+    "__array__": "data-dependent value: a tensor converted to a NumPy array",
+    "__format__": "data-dependent value: a tensor formatted into a string",
+    "__repr__": "data-dependent value: repr() of a tensor",
+    "__str__": "data-dependent value: str() of a tensor",
+    "__contains__": "data-dependent control flow: `in` on a tensor",
+    "data_ptr": "Tensor.data_ptr() (an address, different on every call)",
+}
+# Calls executed but not recorded: the tracer records their effect (grad mode) by
+# comparing state before each op, which also sees changes made without a torch call.
+STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED})
+
+# Tensor dunders -> (operator function, reflected?)
+OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {}
+_BINARY_DUNDERS: list[tuple[str, Callable[..., Any]]] = [
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("div", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("pow", operator.pow),
+    ("matmul", operator.matmul),
+    ("and", operator.and_),
+    ("or", operator.or_),
+    ("xor", operator.xor),
+    ("lshift", operator.lshift),
+    ("rshift", operator.rshift),
+]
+_OTHER_DUNDERS: list[tuple[str, Callable[..., Any]]] = [
+    ("eq", operator.eq),
+    ("ne", operator.ne),
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+    ("getitem", operator.getitem),
+    ("setitem", operator.setitem),
+    ("neg", operator.neg),
+    ("pos", operator.pos),
+    ("abs", operator.abs),
+    ("invert", operator.invert),
+    ("iadd", operator.iadd),
+    ("isub", operator.isub),
+    ("imul", operator.imul),
+    ("itruediv", operator.itruediv),
+    ("ifloordiv", operator.ifloordiv),
+    ("imod", operator.imod),
+    ("ipow", operator.ipow),
+    ("iand", operator.iand),
+    ("ior", operator.ior),
+    ("ixor", operator.ixor),
+    ("ilshift", operator.ilshift),
+    ("irshift", operator.irshift),
+    ("imatmul", operator.imatmul),
+]
+for _dunder, _fn in _BINARY_DUNDERS:
+    OPERATORS[f"__{_dunder}__"] = (_fn, False)
+    OPERATORS[f"__r{_dunder}__"] = (_fn, True)
+for _dunder, _fn in _OTHER_DUNDERS:
+    OPERATORS[f"__{_dunder}__"] = (_fn, False)
+del _dunder, _fn
+
+
+def _tensor_attribute_names() -> dict[Any, str]:
+    """Function object -> its name on `torch.Tensor`.
+
+    Looked up by identity, not `__name__`: `Tensor.__pow__` is a wrapper of
+    `TensorBase.pow` named "pow", and several dunders are aliases of methods. Where
+    one function has several names, a plain method name wins (`x.abs()`), then a
+    dunder that is an operator.
+    """
+    names: dict[Any, str] = {}
+    for name in sorted(
+        dir(torch.Tensor), key=lambda n: (n.startswith("__"), n not in OPERATORS, n)
+    ):
+        try:
+            value = getattr(torch.Tensor, name)
+            names.setdefault(value, name)
+        except (AttributeError, TypeError):  # unhashable or odd class attributes
+            continue
+    return names
+
+
+_TENSOR_ATTRIBUTE_NAMES = _tensor_attribute_names()
+
+
+def classify(func: Callable[..., Any]) -> tuple[str, Any]:
+    """How a torch call is written in the graph.
+
+    ("getattr" | "setattr", attribute name): a tensor property read / write;
+    ("operator", dunder name): a Tensor dunder, written as the Python operator;
+    ("method", name): a Tensor method, written `x.name(...)`;
+    ("function", func): anything else, called as a function.
+    """
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
+        descriptor = getattr(func, "__self__", None)
+        attr = getattr(descriptor, "__name__", None) or getattr(
+            getattr(descriptor, "fget", None), "__name__", None
+        )
+        if attr is not None:
+            return ("getattr" if name == "__get__" else "setattr"), attr
+    try:
+        attribute = _TENSOR_ATTRIBUTE_NAMES.get(func)
+    except TypeError:  # unhashable callable
+        attribute = None
+    if attribute is not None:
+        if attribute in OPERATORS:
+            return "operator", attribute
+        return "method", attribute
+    return "function", func
+
+
+def qualname(func: Callable[..., Any]) -> str:
+    kind, target = classify(func)
+    if kind != "function":
+        return f"Tensor.{target}"
+    module = getattr(func, "__module__", None) or ""
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func))
+    return f"{module}.{name}" if module else name
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside the containers a torch call can take or return (not objects)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, slice):
+        yield from tensors_in((value.start, value.stop, value.step))
+
+
+def _has_call_hooks(module: nn.Module) -> bool:
+    """Would `nn.Module._call_impl` run any hook for this module?"""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or getattr(module, "_forward_hooks_with_kwargs", None)
+        or getattr(module, "_forward_hooks_always_called", None)
+        or getattr(module, "_forward_pre_hooks_with_kwargs", None)
+        or module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks
+        or module_globals._global_backward_hooks
+        or module_globals._global_backward_pre_hooks
+        or getattr(module_globals, "_global_forward_hooks_always_called", None)
+        or getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
+    )
+
+
+
+def runs_opaque(module: nn.Module) -> bool:
+    """Is a call of `module` one opaque node, run for real, rather than inlined?"""
+    return (
+        _has_call_hooks(module)
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
+    )
+
+
+def tensorless_result(func: Any, kind: str, target: Any, result: Any) -> tuple[str, str]:
+    """What a torch call that returned no tensor is: ("node", "") a side effect to
+    record as a node; ("metadata", "") a constant (a property, a shape, a dtype) that
+    the caller's shape guards cover; ("break", reason) a Python value computed from
+    tensor data, or a result the graph cannot hold."""
+    if kind == "getattr":
+        return "metadata", ""  # a property (shape, dtype, grad=None...): a constant
+    if kind == "setattr" or result is None or isinstance(result, RemovableHandle):
+        return "node", ""  # a side effect (x[i] = v, x.register_hook(f)): record it as a node
+    if (
+        isinstance(result, _METADATA_RESULT_TYPES)
+        or (kind == "method" and target in _METADATA_NAMES)
+        or (kind == "function" and getattr(func, "__name__", None) in _METADATA_NAMES)
+        or func is torch.numel
+        or func is torch.is_floating_point
+        or func is torch.is_complex
+    ):
+        return "metadata", ""  # metadata: a constant, guarded by the caller's shape checks
+    if isinstance(result, (bool, int, float, complex, str, list, tuple)) or (
+        type(result).__module__ == "numpy"
+    ):
+        return "break", (
+            f"data-dependent value: {qualname(func)}() returned a Python "
+            f"{type(result).__name__}"
+        )
+    return "break", f"cannot record {qualname(func)}(): it returns a {type(result).__name__}"
+
+
+def makes_dynamic_shape(
+    func: Any, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Does this call's output shape depend on tensor values (nonzero, boolean masks)?"""
+    if kind in ("method", "function", "operator"):
+        name = target if kind != "function" else getattr(func, "__name__", "")
+        if name == "repeat_interleave":  # data-dependent only with tensor repeats
+            return any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
+        if name in _DATA_DEPENDENT_SHAPE_OPS:
+            return True
+        if name == "where":  # the one-argument form is nonzero
+            return len(args) + len(kwargs) == 1
+        if name == "__getitem__":  # boolean-mask indexing
+            return any(t.dtype in (torch.bool, torch.uint8) for t in tensors_in(args[1:]))
+    return False

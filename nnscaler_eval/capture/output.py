@@ -1,0 +1,148 @@
+"""Output assembly: the forward's result as graph outputs, and the finished `Capture`.
+
+The graph returns a flat tuple (the tensor and tracked-number leaves of the result);
+the `OutputLayout` says how the runner rebuilds the real structure around it: graph
+outputs, constants, and argument slots returned as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import _lazy_graph_module
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from nnscaler_eval.capture.calls import LITERAL_TYPES
+from nnscaler_eval.capture.inputs import holds_tensor
+from nnscaler_eval.capture.nodes import NodeMap, class_name
+from nnscaler_eval.capture.results import Capture, Fallback
+from nnscaler_eval.capture.training import TrackedModules
+from nnscaler_eval.codegen import ConstantOutput, GraphOutput, OutputLayout, RunnerSpec, SlotOutput
+from nnscaler_eval.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
+
+
+def output_layout(
+    result: Any,
+    slots: tuple[Any, ...],
+    graph_arg: Callable[[Any], Any],
+    refuse: Callable[[str], None],
+) -> Optional[tuple[OutputLayout, list[fx.Node]]]:
+    """How the runner rebuilds `result`, and the nodes the graph returns.
+
+    `graph_arg` turns a tensor, flag or tracked number into its node (it may raise
+    RecordingAborted); a leaf the runner could not rebuild is handed to `refuse`, which
+    ends the capture, and then there is no layout (None).
+    """
+    leaves, spec = pytree.tree_flatten(result)
+    layout: list[Any] = []
+    graph_outputs: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, (torch.Tensor, TrainingFlag, _TrackedNumber)):
+            value = graph_arg(leaf)
+            if isinstance(value, fx.Node):
+                layout.append(GraphOutput(len(graph_outputs)))
+                graph_outputs.append(value)
+            else:
+                layout.append(ConstantOutput(value))
+        elif isinstance(leaf, LITERAL_TYPES):
+            layout.append(ConstantOutput(leaf))
+        else:
+            slot = next((i for i, s in enumerate(slots) if s is leaf), None)
+            if slot is not None:
+                layout.append(SlotOutput(slot))
+            elif isinstance(leaf, nn.Module) or holds_tensor(leaf):
+                refuse(
+                    f"forward returns a {type(leaf).__name__}, which the graph "
+                    "cannot rebuild (register it with torch.utils._pytree)"
+                )
+                return None
+            else:
+                layout.append(ConstantOutput(leaf))
+    return OutputLayout(spec, tuple(layout)), graph_outputs
+
+
+def make_capture(
+    *,
+    fn: Any,
+    result: Any,
+    layout: Optional[OutputLayout],
+    graph: fx.Graph,
+    nodes: NodeMap,
+    modules: TrackedModules,
+    root: Optional[nn.Module],
+    slot_names: tuple[str, ...],
+    fallback: Optional[Fallback],
+    entry_grad_mode: bool,
+    read_metadata: bool,
+) -> Capture:
+    """The Capture of a finished trace: with a GraphModule and a runner spec unless it
+    fell back (or its output could not be laid out)."""
+    graph_module: Optional[fx.GraphModule] = None
+    runner_spec: Optional[RunnerSpec] = None
+    name = str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or "forward")
+    if fallback is None and layout is not None:
+        graph.lint()
+        # Lazy: fx compiles the module's Python source only when .code or forward
+        # is used (explain, export, backends). An eager GraphModule costs a
+        # compile() per capture and leaves a cache key behind in torch.fx.
+        with _lazy_graph_module._use_lazy_graph_module(True):
+            graph_module = _lazy_graph_module._make_graph_module(
+                attribute_source(nodes, root), graph, class_name=class_name(name)
+            )
+        runner_spec = RunnerSpec(
+            name=name,
+            graph=graph,
+            attr_values=dict(nodes.attr_values),
+            slot_names=slot_names,
+            root_slot=0 if root is not None else None,
+            module_paths=dict(nodes.module_targets),
+            flag_names=tuple(
+                n.name
+                for n in graph.nodes
+                if n.op == "placeholder" and n.meta.get("nnscaler_input") is None
+            ),
+            output=layout,
+            entry_grad_mode=entry_grad_mode,
+        )
+    return Capture(
+        result=plain_result(result),
+        graph_module=graph_module,
+        fallback=fallback,
+        training_inputs=list(modules.training_inputs) if graph_module is not None else [],
+        branched_training=list(modules.branched.values()),
+        visited_modules=list(modules.visited.values()),
+        opaque_modules=list(modules.opaque.values()),
+        slot_names=slot_names,
+        runner_spec=runner_spec,
+        _example_inputs=nodes.example_inputs if graph_module is not None else [],
+        read_metadata=read_metadata,
+    )
+
+
+def attribute_source(nodes: NodeMap, root: Optional[nn.Module]) -> nn.Module:
+    """A module to build the GraphModule from, that never writes to user modules.
+
+    fx copies each get_attr / call_module target from it; top-level names point at
+    the root's real children, so parameters stay the live objects.
+    """
+    source = nn.Module()
+    for target, value in nodes.attr_values.items():
+        head = target.split(".", 1)[0]
+        if "." not in target:
+            source.__dict__[head] = value
+        elif head not in source.__dict__ and root is not None:
+            source.__dict__[head] = getattr(root, head)
+    if "_self" in nodes.module_targets:
+        source.__dict__["_self"] = root
+    return source
+
+
+def plain_result(result: Any) -> Any:
+    """The result as eager returns it: no flag or tracked number may leave the trace."""
+    leaves, spec = pytree.tree_flatten(result)
+    if not any(isinstance(leaf, (TrainingFlag, _TrackedNumber)) for leaf in leaves):
+        return result
+    return pytree.tree_unflatten([quiet_plain(leaf) for leaf in leaves], spec)

@@ -1,0 +1,638 @@
+"""The Tracer: a `TorchFunctionMode` that records one real run of a forward.
+
+It drives the other modules of the package (see its docstring): each torch call is
+run, classified (calls) and written as a node whose arguments are the nodes of the
+values it took (nodes); module calls, `module.training` reads and state writes come
+in through trace_patches' protocol (training); torch.cond goes to cond; grad mode and
+autocast are synced before each node (global_state); the result becomes the graph's
+output and the Capture (output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx import _lazy_graph_module
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from nnscaler_eval import _C, trace_patches
+from nnscaler_eval.capture import calls, output
+from nnscaler_eval.capture import cond as torch_cond
+from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
+from nnscaler_eval.capture.global_state import GlobalState
+from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
+from nnscaler_eval.capture.locations import record_source, user_location
+from nnscaler_eval.capture.nodes import NodeMap
+from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
+from nnscaler_eval.capture.training import (
+    TrackedModules,
+    deps_of,
+    deps_of_args,
+    global_hook_state,
+    is_number,
+    same_tensor_kind,
+    tracked,
+    unique_modules,
+)
+from nnscaler_eval.codegen import InputPath, OutputLayout
+from nnscaler_eval.runtime import ifexpr
+from nnscaler_eval.trace_state import current_tracer, run_to_completion, set_current_tracer
+from nnscaler_eval.tracked_values import TrainingFlag, _TrackedNumber, plain_value, quiet_plain
+
+
+def capture(
+    fn: Callable[..., Any],
+    slots: tuple[Any, ...],
+    slot_names: tuple[str, ...],
+    *,
+    root: Optional[nn.Module],
+    fullgraph: bool = False,
+    call: Optional[Callable[[], Any]] = None,
+) -> Capture:
+    """Run `fn` once for real on `slots`, recording it; see the package docstring.
+
+    `call` runs fn with the slots correctly rebound (needed when the code has `*args` /
+    `**kwargs`); without it, `fn(*slots)`. An exception raised by the forward
+    propagates unchanged, after every patch and `training` attribute is restored.
+    """
+    tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph)
+    return tracer.run(call if call is not None else (lambda: fn(*slots)))
+
+
+def _pop_modes_to(depth: int) -> None:
+    """Pop torch function modes until `depth` are left (idempotent)."""
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
+class Tracer(TorchFunctionMode):
+    """Records one real run of a forward into an fx graph (see the package docstring).
+
+    What it composes: `nodes` (which node stands for each value), `modules` (training
+    flags and module state), `global_state` (grad mode and autocast as the graph has
+    them). Inside a torch.cond branch `graph`, `branch`, `fake_mode` and
+    `global_state` are the branch's (cond swaps them).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        slots: tuple[Any, ...],
+        slot_names: tuple[str, ...],
+        *,
+        root: Optional[nn.Module],
+        fullgraph: bool,
+    ) -> None:
+        super().__init__()
+        if len(slots) != len(slot_names):
+            raise ValueError(f"{len(slots)} slots but {len(slot_names)} slot names")
+        self.fn = fn
+        self.slots = slots
+        self.slot_names = slot_names
+        self.root = root
+        self.fullgraph = fullgraph
+        self.graph = fx.Graph()  # the graph being recorded into (a cond branch's, inside one)
+        self.root_graph = self.graph
+        self.fallback: Optional[Fallback] = None
+        # Inside a torch.cond branch: its frame, and the fake mode its values live in.
+        self.branch: Optional[torch_cond.BranchFrame] = None
+        self.fake_mode: Optional[FakeTensorMode] = None
+        self.branch_names = itertools.count()
+        self._suspended = 0
+
+        self.nodes = NodeMap(self.root_graph, root)
+        self.modules = TrackedModules(self)
+        self.read_metadata = False
+        self.global_state = GlobalState()
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def recording(self) -> bool:
+        return self.fallback is None and self._suspended == 0
+
+    def graph_break(self, reason: str, location: Optional[tuple[str, int]] = None) -> None:
+        """End the capture: record why (first reason wins), or raise with fullgraph."""
+        if self.fallback is not None:
+            return
+        filename, lineno = location if location is not None else user_location()
+        if self.branch is not None:
+            # Stop tracing the branch now (it runs on fake tensors; nothing is lost):
+            # trace_cond turns this into the frame's fallback, or its parent branch's.
+            fallback = Fallback(f"in a torch.cond branch: {reason}", filename, lineno)
+            raise torch_cond.CondNotCapturable(fallback)
+        self.fallback = Fallback(reason, filename, lineno)
+        if self.fullgraph:
+            raise GraphBreakError(self.fallback)
+        # From here on the run is plain eager: give modules their real flags back.
+        self.modules.restore_training()
+
+    @contextlib.contextmanager
+    def suspended(self, modules: tuple[nn.Module, ...] = ()) -> Iterator[None]:
+        """Run code for real without recording it (opaque modules, register_op ops).
+
+        `modules` get their real `training` values back meanwhile, so flags do not
+        leak into code that is not being recorded.
+        """
+        self._suspended += 1
+        hidden = self.modules.hide(modules)
+        # Code run for real here shapes no graph: the functions it runs are not
+        # recorded for value guards (a hook appending to a list would otherwise be
+        # guarded and recapture on every call).
+        paused = _C.record_functions_pause()
+        try:
+            yield
+        finally:
+            _C.record_functions_resume(paused)
+            if self.fallback is None:
+                self.modules.unhide(hidden)
+            self._suspended -= 1
+
+    # -- the run -----------------------------------------------------------------
+
+    def run(self, call: Callable[[], Any]) -> Capture:
+        """Trace `call()` once; the process is as before afterwards, however it ends.
+
+        An asynchronous exception (KeyboardInterrupt from a signal handler) may land
+        between any two bytecodes, in here, in the patches, in the user's forward or in
+        a `finally`. So every step that changes process state is undone by one
+        idempotent `_leave()`, run in the outer `finally` and run again if an interrupt
+        lands inside it: no patch, no current tracer, no mode of ours on the torch
+        function stack, nothing of the trace pinned.
+        """
+        previous = current_tracer()
+        mode_depth = torch._C._len_torch_function_stack()
+        lazy_flag = _lazy_graph_module._use_lazy_graph_module_flag
+        global_hooks = global_hook_state()
+        try:
+            set_current_tracer(self)
+            trace_patches.install(self)
+            self._prepare()
+            # `with self:`, except that leaving pops down to the entry depth: an
+            # interrupt inside `_pop_mode_temporarily` can leave our mode popped
+            # already, and a plain pop would then fail or pop somebody else's.
+            torch._C._push_on_torch_function_stack(self)
+            try:
+                result = call()
+            finally:
+                _pop_modes_to(mode_depth)
+            self._check_module_state()
+            layout = self._record_output(result) if self.fallback is None else None
+            self._leave(previous, mode_depth)
+            capture = self._make_capture(result, layout)
+            capture.state_unchanged = self.modules.unchanged_check(global_hooks)  # type: ignore[attr-defined]
+            return capture
+        finally:
+            run_to_completion(self._leave, previous, mode_depth, lazy_flag, True)
+
+    def _leave(
+        self, previous: Any, mode_depth: int, lazy_flag: Any = None, final: bool = False
+    ) -> None:
+        """Undo what run() did to the process; each step idempotent."""
+        self.modules.restore_training()
+        trace_patches.uninstall(self)
+        # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
+        _pop_modes_to(mode_depth)
+        if current_tracer() is self:
+            set_current_tracer(previous)
+        if lazy_flag is not None:
+            _lazy_graph_module._use_lazy_graph_module_flag = lazy_flag
+        if final:
+            # An exception's traceback may keep this tracer alive: not its tensors.
+            self.nodes.forget()
+
+    def _prepare(self) -> None:
+        # Placeholders: every tensor leaf of the slots.
+        for index, (slot, slot_name) in enumerate(zip(self.slots, self.slot_names)):
+            leaves = pytree.tree_flatten_with_path(slot)[0]
+            for keys, leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    name = slot_name + "".join(key_suffix(k) for k in keys)
+                    node = self.nodes.placeholder(name, leaf)
+                    node.meta["nnscaler_input"] = InputPath(index, tuple(keys))
+                    if id(leaf) not in self.nodes.tensor_nodes:
+                        self.nodes.map(leaf, node)
+                elif hidden_tensors(leaf):
+                    self.graph_break(hidden_tensors_reason(slot_name, leaf),
+                                     location=self._forward_location())
+                    return
+        # Flags for the whole tree, not only for the modules called: a parent may read
+        # a child's flag (`if self.block.training:`) without calling it.
+        if self.root is not None:
+            for module in self.root.modules():
+                self._swap_training(module)
+            self._visit(self.root)
+
+    def _forward_location(self) -> tuple[str, int]:
+        code = getattr(self.fn, "__code__", None)
+        if code is None:
+            return "<unknown>", 0
+        return code.co_filename, code.co_firstlineno
+
+    # -- training flags and module state (kept by self.modules) -----------------------
+
+    def _swap_training(self, module: nn.Module) -> None:
+        if self.fallback is None:  # once fallen back, no module gets a flag
+            self.modules.swap_training(module)
+
+    def _visit(self, module: nn.Module) -> None:
+        self.modules.visit(module, swap=self.fallback is None)
+
+    def read_training(self, module: nn.Module, value: Any) -> Any:
+        """`module.training` on this thread (trace_patches' descriptor): its flag while
+        this trace records it, else `value`, the real `__dict__` entry."""
+        return self.modules.read_training(module, value)
+
+    def _check_module_state(self) -> None:
+        """Catch state writes the `__setattr__` patch cannot see (`object.__setattr__`,
+        `__dict__` updates, mutated attribute containers)."""
+        if self.fallback is not None:
+            return
+        changed = self.modules.changed()
+        if changed is not None:
+            module, name = changed
+            self.graph_break(
+                f"write to module state: {type(module).__name__}.{name} changed "
+                "during forward",
+                location=self._forward_location(),
+            )
+
+    # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
+
+    def on_module_call(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        self._visit(module)
+        if calls.runs_opaque(module):
+            if self.branch is not None:  # it would run for real, on fake tensors
+                self.graph_break(
+                    f"a submodule with hooks ({type(module).__name__}) cannot be called in "
+                    "a torch.cond branch"
+                )
+            return self._call_opaque_module(module, args, kwargs)
+        return trace_patches.original_module_call(module, *args, **kwargs)
+
+    def on_module_setattr(self, module: nn.Module, name: str) -> None:
+        if id(module) in self.nodes.module_paths or id(module) in self.modules.visited:
+            self.graph_break(f"write to module state: {type(module).__name__}.{name} = ...")
+
+    def on_python_side_effect(self, what: str) -> None:
+        self.graph_break(what)
+
+    def note_branch(self, module: nn.Module, value: bool) -> None:
+        """Python branched on `module.training`: the graph is valid for `value` only."""
+        self.modules.note_branch(module, value)
+
+    def specialise_number(self, number: _TrackedNumber) -> None:
+        """A tracked number was used as a plain Python value."""
+        if number.tracer is not self:
+            return
+        if getattr(number, "data_dependent", False):
+            self.graph_break(
+                "data-dependent value: a Python number computed from tensors "
+                "by an opaque op was used in Python"
+            )
+            return
+        for module in number.deps:
+            self.modules.note_branch(module, self.modules.flag_value(module))
+
+    def trace_ifexpr(self, cond: Any, true_value: Any, false_value: Any) -> Any:
+        """`ifexpr(cond, t, f)` under this tracer (called by nnscaler_eval.runtime)."""
+        if not (self.recording and isinstance(cond, TrainingFlag) and cond.tracer is self):
+            return true_value if cond else false_value
+        module, value = cond.module, cond.value
+        chosen = true_value if value else false_value
+        try:
+            if same_tensor_kind(true_value, false_value):
+                node = self._ifexpr_node(module, true_value, false_value)
+                with self.suspended():
+                    alias = chosen.view_as(chosen)
+                # A fresh alias stands for the ifexpr: the chosen tensor itself keeps
+                # its own node for its other uses.
+                self.nodes.map(alias, node, dynamic=id(chosen) in self.nodes.dynamic_shape)
+                return alias
+            if is_number(true_value) and is_number(false_value):
+                node = self._ifexpr_node(module, true_value, false_value)
+                deps = (module,) + deps_of(true_value) + deps_of(false_value)
+                return tracked(quiet_plain(chosen), node, unique_modules(deps), self)
+        except RecordingAborted:
+            return chosen
+        # Anything else (None, strings, tensors of different shapes): specialise.
+        self.modules.note_branch(module, value)
+        return chosen
+
+    def call_with_flags(
+        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Record a C function that got a flag for a `bool` parameter (trace_patches).
+
+        Its argument parser would reject the flag before torch function dispatch, so
+        trace_patches routes such calls here: recorded with the flag as a graph input,
+        run with the plain bool.
+        """
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack or stack[-1] is not self:
+            # Another mode sits above ours; it would see a plain bool: specialise.
+            return function(
+                *[plain_value(a) for a in args], **{k: plain_value(v) for k, v in kwargs.items()}
+            )
+        with torch.overrides._pop_mode_temporarily():
+            return self.__torch_function__(function, (), args, kwargs)
+
+    # `torch.cond` under this tracer (trace_patches routes it here): cond.trace_cond,
+    # called as a method, this tracer its first argument.
+    trace_cond = torch_cond.trace_cond
+
+    def call_opaque(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run `fn` for real as ONE graph node (ops registered with `register_op`)."""
+        if not self.recording:
+            return fn(*args, **kwargs)
+        try:
+            node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
+        except RecordingAborted:
+            return fn(*args, **kwargs)
+        with self.suspended():
+            result = fn(*torch_cond.fakeify(quiet_plain(args), self.fake_mode),
+                        **torch_cond.fakeify(quiet_plain(kwargs), self.fake_mode))
+        inputs_have_tensors = next(tensors_in((args, kwargs)), None) is not None
+        deps = unique_modules(deps_of_args((args, kwargs)))
+        try:
+            if next(tensors_in(result), None) is not None or result is None:
+                node = self.create_node("call_function", fn, node_args, node_kwargs)
+                self.nodes.bind_result(result, node, dynamic=False)
+                return result
+            if is_number(result):
+                node = self.create_node("call_function", fn, node_args, node_kwargs)
+                number = tracked(result, node, deps, self)
+                number.data_dependent = inputs_have_tensors  # type: ignore[attr-defined]
+                return number
+        except RecordingAborted:
+            return result
+        if inputs_have_tensors:
+            self.graph_break(
+                f"data-dependent value: {qualname(fn)}() returned a "
+                f"{type(result).__name__} computed from tensors"
+            )
+        else:
+            for module in deps:
+                self.modules.note_branch(module, self.modules.flag_value(module))
+        return result
+
+    def _call_opaque_module(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        call = trace_patches.original_module_call
+        path = self.nodes.module_paths.get(id(module))
+        if path is None and self.root is not None:
+            self.graph_break(
+                f"a submodule with hooks ({type(module).__name__}) that is not "
+                "reachable from self's module tree"
+            )
+            return call(module, *args, **kwargs)
+        try:
+            node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
+        except RecordingAborted:
+            return call(module, *args, **kwargs)
+        self.modules.opaque[id(module)] = module
+        with self.suspended(tuple(module.modules())):
+            result = call(module, *quiet_plain(args), **quiet_plain(kwargs))
+        if not self.recording:
+            return result
+        outside = [
+            v
+            for v in pytree.tree_leaves(result)
+            if not isinstance(v, (torch.Tensor, *LITERAL_TYPES))
+        ]
+        if outside:
+            self.graph_break(
+                f"a module with hooks ({type(module).__name__}) returned a "
+                f"{type(outside[0]).__name__}, which the graph cannot carry"
+            )
+            return result
+        target = self.nodes.module_target(module)
+        try:
+            node = self.create_node("call_module", target, node_args, node_kwargs)
+        except RecordingAborted:
+            return result
+        self.nodes.bind_result(result, node, dynamic=False)
+        return result
+
+    # -- TorchFunctionMode ---------------------------------------------------------
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Optional[dict[str, Any]] = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if not self.recording:
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if func in calls.STATE_CHANGES:  # e.g. set_grad_enabled(self.training): a branch
+            return func(*[plain_value(a) for a in args], **kwargs)
+        kind, target = calls.classify(func)
+        if kind == "method" and target in calls.DATA_ACCESS:
+            self.graph_break(calls.DATA_ACCESS[target])
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if (
+            self.nodes.dynamic_shape
+            and (target in calls.SHAPE_QUERIES or target is torch.numel)
+            and self.nodes.dynamic_among(args)
+        ):
+            self.graph_break(
+                f"data-dependent shape: {qualname(func)} of a tensor whose shape "
+                "depends on tensor values (nonzero, boolean mask, unique...)"
+            )
+            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if self.branch is not None:
+            result = torch_cond.call_in_branch(self, func, args, kwargs)
+        else:
+            result = func(*quiet_plain(args), **quiet_plain(kwargs))
+        try:
+            self._record_call(func, kind, target, args, kwargs, result)
+        except RecordingAborted:
+            pass
+        return result
+
+    def _record_call(
+        self,
+        func: Any,
+        kind: str,
+        target: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+    ) -> None:
+        if result is NotImplemented:
+            return
+        if next(tensors_in(result), None) is None:
+            verdict, reason = calls.tensorless_result(func, kind, target, result)
+            if verdict == "metadata":
+                self.read_metadata = True
+                return
+            if verdict == "break":
+                self.graph_break(reason)
+                return
+        node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
+        if kind == "method":
+            node = self.create_node("call_method", target, node_args, node_kwargs)
+        elif kind == "operator":
+            function, reflected = OPERATORS[target]
+            if reflected:
+                node_args = (node_args[1], node_args[0], *node_args[2:])
+            node = self.create_node("call_function", function, node_args, node_kwargs)
+        elif kind == "getattr":
+            node = self.create_node("call_function", getattr, (node_args[0], target), {})
+        elif kind == "setattr":
+            node = self.create_node(
+                "call_function", setattr, (node_args[0], target, node_args[1]), {}
+            )
+        else:
+            node = self.create_node("call_function", func, node_args, node_kwargs)
+        dynamic = calls.makes_dynamic_shape(func, kind, target, args, kwargs)
+        if self.nodes.dynamic_shape and not dynamic:
+            dynamic = self.nodes.dynamic_among((args, kwargs))
+        self.nodes.bind_result(result, node, dynamic)
+
+    # -- building nodes ------------------------------------------------------------
+
+    def create_node(self, op: str, target: Any, args: Any, kwargs: Any) -> fx.Node:
+        """A node of the graph being recorded, after syncing grad mode and autocast."""
+        self.sync_global_state()
+        node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
+        record_source(node)
+        return node
+
+    def _ifexpr_node(self, module: nn.Module, true_value: Any, false_value: Any) -> fx.Node:
+        flag = self._local(self.modules.flag_node(module, self.nodes),
+                           self.modules.flag_value(module))
+        return self.create_node(
+            "call_function",
+            ifexpr,
+            (flag, self.graph_arg(true_value), self.graph_arg(false_value)),
+            {},
+        )
+
+    def _node_for_tensor(self, tensor: torch.Tensor) -> fx.Node:
+        node = self.nodes.known(tensor)
+        if node is not None:
+            return node
+        if isinstance(tensor, FakeTensor):
+            # Made inside a cond branch but not by a recorded op (or leaked out of one).
+            self.graph_break(
+                "a tensor of a torch.cond branch was made outside torch function dispatch"
+            )
+            raise RecordingAborted
+        with torch._C.DisableTorchFunction():
+            computed = tensor.grad_fn is not None
+        if computed:
+            # It was computed in this run, but not through torch function dispatch
+            # (e.g. under torch._C.DisableTorchFunction): baking it in would be wrong.
+            self.graph_break(
+                "a tensor computed outside torch function dispatch "
+                f"({type(tensor.grad_fn).__name__}) reached the graph"
+            )
+            raise RecordingAborted
+        return self.nodes.constant_tensor(tensor)
+
+    def _local(self, node: fx.Node, value: Any) -> fx.Node:
+        """`node` as a value of the graph being recorded: inside a cond branch, a value
+        of an enclosing graph becomes an input of the branch (lifted, level by level)."""
+        if node.graph is self.graph:
+            return node
+        lifted = torch_cond.lift(self.branch, node, value, self.root_graph)
+        if lifted is None:
+            reason = "a value computed inside a torch.cond branch is used outside it"
+            self.graph_break(reason)
+            # It is a fake tensor: running on with it would compute garbage.
+            raise RuntimeError(f"{reason} (torch.cond branches must not leak values)")
+        return lifted
+
+    def graph_arg(self, value: Any) -> Any:
+        """`value` as an fx argument: tensors, flags and tracked numbers become nodes."""
+        if isinstance(value, torch.Tensor):
+            return self._local(self._node_for_tensor(value), value)
+        if isinstance(value, TrainingFlag):
+            if value.tracer is not self:
+                return value.value
+            return self._local(self.modules.flag_node(value.module, self.nodes), value.value)
+        if isinstance(value, _TrackedNumber):
+            return self._local(value.node, value.plain) if value.tracer is self else value.plain
+        if isinstance(value, (tuple, list)):
+            items = [self.graph_arg(v) for v in value]
+            if isinstance(value, list):
+                return items
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        if isinstance(value, dict):
+            return {k: self.graph_arg(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(
+                self.graph_arg(value.start),
+                self.graph_arg(value.stop),
+                self.graph_arg(value.step),
+            )
+        if isinstance(value, LITERAL_TYPES):
+            return value
+        if isinstance(value, nn.Module):
+            if id(value) not in self.nodes.module_paths and self.root is not None:
+                self.graph_break(
+                    f"a module outside self's module tree ({type(value).__name__}) "
+                    "was passed to an op"
+                )
+                raise RecordingAborted
+            return self._local(self.nodes.module_node(value), value)
+        return self.nodes.constant(value, f"const_{type(value).__name__}_")
+
+    def sync_global_state(self) -> None:
+        """Make the graph's grad mode and autocast state match the run's, before a node
+        (see global_state)."""
+        if self.global_state.inference_mode_changed():
+            self.graph_break("torch.inference_mode() changed inside forward")
+            raise RecordingAborted
+        self.global_state.sync(self.graph)
+
+    # -- the end -----------------------------------------------------------------------
+
+    def _record_output(self, result: Any) -> Optional[OutputLayout]:
+        def refuse(reason: str) -> None:
+            self.graph_break(reason, location=self._forward_location())
+
+        try:
+            laid_out = output.output_layout(result, self.slots, self.graph_arg, refuse)
+            if laid_out is None:
+                return None
+            self.sync_global_state()  # e.g. grad mode left changed by the forward
+        except RecordingAborted:
+            return None
+        layout, graph_outputs = laid_out
+        self.graph.output(tuple(graph_outputs))
+        return layout
+
+    def _make_capture(self, result: Any, layout: Optional[OutputLayout]) -> Capture:
+        capture = output.make_capture(
+            fn=self.fn,
+            result=result,
+            layout=layout,
+            graph=self.graph,
+            nodes=self.nodes,
+            modules=self.modules,
+            root=self.root,
+            slot_names=self.slot_names,
+            fallback=self.fallback,
+            entry_grad_mode=self.global_state.entry_grad_mode,
+            read_metadata=self.read_metadata,
+        )
+        # The trace's bookkeeping holds every intermediate tensor: drop it now.
+        self.nodes.forget()
+        return capture

@@ -1,0 +1,273 @@
+"""Training flags and module state: what the trace knows of the modules it runs.
+
+`module.training` is a `TrainingFlag` for the length of the trace (see
+tracked_values), on the tracing thread only: trace_patches' descriptor on `nn.Module`
+asks `read_training`, and module `__dict__`s keep their real bools. Used as a value a
+flag becomes one placeholder per module, after the tensor placeholders
+(`Capture.training_inputs`); used to branch it specialises the graph
+(`Capture.branched_training`, which the caller guards). Numbers computed from flags
+are tracked numbers (`tracked`), with the modules they depend on.
+
+Each module the trace goes through is snapshotted (its attributes, and one level into
+container attributes), so that state writes the `__setattr__` patch cannot see are
+caught at the end, and so that convert_frame can tell whether another thread changed
+the modules while this one captured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from nnscaler_eval import trace_patches
+from nnscaler_eval._install import global_hook_items
+from nnscaler_eval.capture.nodes import NodeMap
+from nnscaler_eval.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber
+
+_MISSING = object()
+
+
+class TrackedModules:
+    """The modules of one trace: their flags, which were branched on, which were
+    visited (with their state as first seen), which ran opaque."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner  # the tracer: what each flag names as its tracer
+        # Training flags: id(module) -> (module, original value, flag). `live` holds
+        # those `module.training` answers with on this thread now (trace_patches'
+        # descriptor asks read_training); module `__dict__`s keep their real bools.
+        self.swapped: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
+        self.live: dict[int, tuple[nn.Module, Any, TrainingFlag]] = {}
+        self.flag_nodes: dict[int, fx.Node] = {}
+        self.training_inputs: list[nn.Module] = []
+        self.branched: dict[int, tuple[nn.Module, bool]] = {}
+        self.visited: dict[int, nn.Module] = {}
+        self.snapshots: dict[int, dict[str, tuple[Any, Any]]] = {}
+        self.opaque: dict[int, nn.Module] = {}
+
+    # -- flags ---------------------------------------------------------------------
+
+    def swap_training(self, module: nn.Module) -> None:
+        """From now on `module.training` reads as a TrainingFlag on this thread only
+        (trace_patches' descriptor asks read_training); its `__dict__` is untouched."""
+        if id(module) in self.swapped:
+            return
+        current = module.__dict__.get("training", _MISSING)
+        if current is _MISSING:
+            return
+        value = current.value if isinstance(current, TrainingFlag) else bool(current)
+        flag = TrainingFlag(value, module, self._owner)
+        entry = (module, current, flag)
+        self.swapped[id(module)] = entry
+        if trace_patches.training_is_ours(module):
+            self.live[id(module)] = entry
+        else:
+            # A class of it defines `training` itself, shadowing the descriptor: reads
+            # cannot be told apart from branches, so the graph is valid for this value.
+            self.note_branch(module, value)
+
+    def read_training(self, module: nn.Module, value: Any) -> Any:
+        """`module.training` on this thread (trace_patches' descriptor): its flag while
+        this trace records it, else `value`, the real `__dict__` entry."""
+        entry = self.live.get(id(module))
+        if entry is None or entry[0] is not module or entry[1] is not value:
+            return value  # not ours, hidden (suspended), or written since the swap
+        return entry[2]
+
+    def restore_training(self) -> None:
+        # One C-level operation: an interrupt cannot leave it half done.
+        self.live.clear()
+
+    def hide(self, modules: tuple[nn.Module, ...]) -> dict[int, Any]:
+        """Give `modules` their real `training` values back for a while; returns what
+        `unhide` puts back."""
+        hidden = {}
+        for module in modules:
+            entry = self.live.pop(id(module), None)
+            if entry is not None:
+                hidden[id(module)] = entry
+        return hidden
+
+    def unhide(self, hidden: dict[int, Any]) -> None:
+        self.live.update(hidden)
+
+    def note_branch(self, module: nn.Module, value: bool) -> None:
+        """Python branched on `module.training`: the graph is valid for `value` only."""
+        self.branched.setdefault(id(module), (module, value))
+
+    def flag_value(self, module: nn.Module) -> bool:
+        entry = self.swapped.get(id(module))
+        if entry is not None:
+            return entry[2].value
+        training = module.__dict__.get("training")
+        return training.value if isinstance(training, TrainingFlag) else bool(training)
+
+    def flag_node(self, module: nn.Module, nodes: NodeMap) -> fx.Node:
+        """The training placeholder of `module` (created on first use as a value)."""
+        node = self.flag_nodes.get(id(module))
+        if node is None:
+            path = nodes.module_paths.get(id(module))
+            if path is None:
+                name = f"{type(module).__name__}_training"
+            else:
+                name = f"{path.replace('.', '_')}_training" if path else "training"
+            node = nodes.placeholder(name, self.flag_value(module))
+            node.meta["nnscaler_input"] = None
+            self.flag_nodes[id(module)] = node
+            self.training_inputs.append(module)
+        return node
+
+    # -- module state ----------------------------------------------------------------
+
+    def visit(self, module: nn.Module, swap: bool) -> None:
+        """The trace went through `module`: snapshot its state; `swap`: give it a flag
+        too (not once the capture fell back)."""
+        if id(module) in self.visited:
+            return
+        if swap:
+            self.swap_training(module)
+        self.visited[id(module)] = module
+        self.snapshots[id(module)] = _module_state(module)
+
+    def changed(self) -> Optional[tuple[nn.Module, str]]:
+        """A visited module whose state changed since its snapshot, and the attribute
+        (writes the `__setattr__` patch cannot see: `object.__setattr__`, `__dict__`
+        updates, mutated attribute containers); None if none did."""
+        inside_opaque: set[int] = set()
+        for module in self.opaque.values():
+            inside_opaque.update(id(m) for m in module.modules())
+        for key, module in self.visited.items():
+            if key in inside_opaque:
+                continue  # an opaque module runs for real on every call
+            changed = _same_state(self.snapshots[key], _module_state(module))
+            if changed is not None:
+                return module, changed
+        return None
+
+    def unchanged_check(self, global_hooks: Any) -> Callable[[], bool]:
+        """A check that the modules the trace went through, and the global hooks, are
+        still as the trace saw them (hooks, the module tree, attributes).
+
+        Another thread may change them while this one captures; the C entry snapshots
+        its guarded dicts' versions only when convert_frame builds it, after the trace.
+        convert_frame calls this once the entry exists: a change in between makes the
+        entry wrong yet valid by its versions, so it is dropped (the call's result
+        stands; the next call captures again).
+        """
+        visited, snapshots = dict(self.visited), dict(self.snapshots)
+        inside_opaque = {id(m) for o in self.opaque.values() for m in o.modules()}
+
+        def unchanged() -> bool:
+            if global_hook_state() != global_hooks:
+                return False
+            return all(
+                _same_state(snapshots[key], _module_state(module)) is None
+                for key, module in visited.items()
+                if key not in inside_opaque
+            )
+
+        return unchanged
+
+
+def global_hook_state() -> tuple[Any, ...]:
+    """The global module hooks, by identity (a change means another graph)."""
+    return tuple(tuple(d.items()) for _, d in global_hook_items())
+
+
+def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """What `self.x = ...` and friends can change: each attribute's object, and for a
+    container attribute (the `_parameters` / `_buffers` / `_modules` / hook dicts, user
+    lists and dicts) the objects inside it, one level deep."""
+    state: dict[str, tuple[Any, Any]] = {}
+    for name, value in module.__dict__.items():
+        if name == "training":
+            continue
+        if isinstance(value, dict):
+            contents: Any = tuple((k, v) for k, v in value.items())
+        elif isinstance(value, (list, set)):
+            contents = tuple(value)
+        else:
+            contents = None
+        state[name] = (value, contents)
+    return state
+
+
+def _same_state(
+    before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]
+) -> Optional[str]:
+    """The first attribute that differs between two `_module_state`s, or None."""
+    for name in before.keys() | after.keys():
+        if name not in before or name not in after:
+            return name
+        (old, old_contents), (new, new_contents) = before[name], after[name]
+        if old is not new:
+            return name
+        if old_contents is None:
+            continue
+        if len(old_contents) != len(new_contents):
+            return name
+        for a, b in zip(old_contents, new_contents):
+            if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == 2 == len(b):
+                if a[0] != b[0] or a[1] is not b[1]:
+                    return name
+            elif a is not b:
+                return name
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Values that depend on flags (ifexpr, numbers computed from flags)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, torch.Tensor)
+
+
+def same_tensor_kind(a: Any, b: Any) -> bool:
+    """Both tensors, with the same metadata: then one graph serves both branches."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    with torch._C.DisableTorchFunction():
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.requires_grad == b.requires_grad
+        )
+
+
+def deps_of(value: Any) -> tuple[nn.Module, ...]:
+    if isinstance(value, TrainingFlag):
+        return (value.module,)
+    if isinstance(value, _TrackedNumber):
+        return tuple(value.deps)
+    return ()
+
+
+def deps_of_args(value: Any) -> tuple[nn.Module, ...]:
+    """Modules whose training flag an opaque op could read through its arguments."""
+    if isinstance(value, nn.Module):
+        return (value,)
+    if isinstance(value, (TrainingFlag, _TrackedNumber)):
+        return deps_of(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(m for v in value for m in deps_of_args(v))
+    if isinstance(value, dict):
+        return tuple(m for v in value.values() for m in deps_of_args(v))
+    return ()
+
+
+def unique_modules(modules: tuple[nn.Module, ...]) -> tuple[nn.Module, ...]:
+    seen: dict[int, nn.Module] = {}
+    for module in modules:
+        seen.setdefault(id(module), module)
+    return tuple(seen.values())
+
+
+def tracked(value: Any, node: fx.Node, deps: tuple[nn.Module, ...], tracer: Any) -> Any:
+    if isinstance(value, float):
+        return TrackedFloat(value, node, deps, tracer)
+    return TrackedInt(value, node, deps, tracer)
