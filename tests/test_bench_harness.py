@@ -70,3 +70,56 @@ def test_run_two_cases_end_to_end(tmp_path: pathlib.Path):
     text = (tmp_path / "smoke.md").read_text()
     assert "## Headline" in text and "Lookup among N cached shapes" in text
     assert list(tmp_path.glob("smoke-*.png"))
+
+
+# --- benchmarks/bench_ir.py: the arithmetic that turns callgrind dumps into figures ---
+
+def test_bench_ir_n_difference_cancels_what_is_outside_the_loop():
+    from benchmarks.bench_ir import per_call
+
+    # Ir(n) = 5000 (set-up, client requests) + 300 n, for n = 10, 40, 10, 40, 10, 40
+    samples = [(n, 5000 + 300 * n) for n in (10, 40) * 3]
+    assert per_call(samples) == (300.0, 0.0)
+    # a round-robin loop making 4 calls per iteration
+    assert per_call(samples, per_iteration=4) == (75.0, 0.0)
+    # with two pairs: their mean, and half their difference
+    assert per_call([(10, 3000), (40, 12000), (10, 3100), (40, 12700)]) == (310.0, 10.0)
+
+
+def test_bench_ir_median_drops_a_one_off_event_in_one_loop():
+    from benchmarks.bench_ir import per_call
+
+    samples = [(10, 3000), (40, 12000), (10, 3000), (40, 12000 + 250_000),
+               (10, 3000), (40, 12030)]
+    value, spread = per_call(samples)
+    assert value == 301.0 and spread == 1.0
+    with pytest.raises(ValueError):
+        per_call([(10, 1), (10, 2)])
+    with pytest.raises(ValueError):
+        per_call([(10, 1), (40, 2), (10, 3)])
+
+
+def test_bench_ir_reads_callgrind_dumps_and_annotate_output():
+    from benchmarks.bench_ir import inclusive_costs, parse_dump
+
+    dump = ("# callgrind format\nversion: 1\npart: 3\n\ndesc: I1 cache: \n"
+            "desc: Timerange: Basic block 0 - 149509\n"
+            "desc: Trigger: Client Request: inputs|0|ours|3|40\n\n"
+            "positions: line\nevents: Ir\nsummary: 438329\n\nfn=(1) x\n0 3\n"
+            "totals: 441947\n")
+    assert parse_dump(dump) == ("inputs|0|ours|3|40", 438329)
+    annotate = (
+        "18,083,220 (100.0%)  PROGRAM TOTALS\n"
+        "   362,160 ( 7.34%)  /w/guards/cache.c:cache_lookup [/w/nnscaler_eval/_C.so]\n"
+        "    12,000 ( 0.10%)  /w/guards/cache.c:cache_lookup'2 [/w/nnscaler_eval/_C.so]\n"
+        "   272,520 ( 5.52%)  /w/guards/call_key.c:call_key_build [/w/nnscaler_eval/_C.so]\n"
+        " 1,696,222 ( 9.38%)  ???:lookup [/v/torch/lib/libtorch_python.so]\n"
+        "     5,000 ( 0.01%)  ???:lookup [/usr/lib/libother.so]\n"
+        "    80,000 ( 0.40%)  ???:bool torch::dynamo::(anonymous namespace)::Root::"
+        "check<F>(F*) [/v/torch/lib/libtorch_python.so]\n")
+    wanted = {"ours": ("nnscaler_eval/_C", ["cache_lookup", "call_key_build"]),
+              "dynamo": ("libtorch_python", ["lookup"]),
+              "missing": ("nnscaler_eval/_C", ["cache_find_bucket"])}
+    # recursive activations (name'2) are inside the outer one's inclusive cost
+    assert inclusive_costs(annotate, wanted) == {"ours": 362_160 + 272_520,
+                                                 "dynamo": 1_696_222}
