@@ -365,7 +365,7 @@ def group_gpt(quick: bool) -> list[Point]:
         points.append(Point(f"12-block GPT, {mode}",
                             {s: _loop(c, idx) for s, c in built.items()},
                             (1, 2) if quick else (1, 3), context=context, warm=1,
-                            captures=2,     # one per grad mode; train/eval share it
+                            guard_scope=True, captures=2,     # one per grad mode; train/eval share it
                             ours=ours, params={"mode": mode},
                             prepare=lambda train=train: [c.train(train)
                                                          for c in built.values()]))
