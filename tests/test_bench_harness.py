@@ -123,3 +123,20 @@ def test_bench_ir_reads_callgrind_dumps_and_annotate_output():
     # recursive activations (name'2) are inside the outer one's inclusive cost
     assert inclusive_costs(annotate, wanted) == {"ours": 362_160 + 272_520,
                                                  "dynamo": 1_696_222}
+
+
+def test_paired_difference_subtracts_b_from_a_in_both_orders(monkeypatch):
+    # A fake clock that only a() and b() move: a costs 5 s, b 2 s, whichever runs first.
+    now = [0.0]
+
+    def a():
+        now[0] += 5.0
+
+    def b():
+        now[0] += 2.0
+
+    monkeypatch.setattr(harness, "_clock", lambda: now[0])
+    row = harness.paired_difference("smoke", "pair", "a - b", a, b,
+                                    Settings(repeats=3, min_time=60.0, warmup=1),
+                                    note="fake clock", unit="s")
+    assert row.status == "ok" and row.samples == [3.0, 3.0, 3.0] and row.loops == 9
