@@ -30,9 +30,11 @@ new capture or miss, Dynamo's `unique_graphs` counter did not move; a side that 
 reported as not valid.
 
 Same-scope guard check.  From the same dumps, inclusive instructions of the functions
-that decide a hit (`callgrind_annotate --inclusive=yes`): ours = `cache_find_bucket` +
-`call_key_build` (the per-call key over the inputs) + `cache_lookup` (key compare and
-the state guards, `cache_entry_check`); Dynamo = `lookup` in libtorch_python (every
+that decide a hit (summed from the dump the way `callgrind_annotate --inclusive=yes`
+does): ours = `config_buckets` +
+`cache_find_bucket` (the module's bucket: both scan lists) + `call_key_build` (the
+per-call key over the inputs) + `cache_lookup` (key compare and the state guards,
+`cache_entry_check`); Dynamo = `lookup` in libtorch_python (every
 entry's root guard manager, tensor guards on the inputs included, until one passes).
 Both: all guards of one hit, inputs included, plus finding the entry; neither counts
 building the frame's locals view.
@@ -74,7 +76,8 @@ SIDES = ["eager", "ours", "dynamo"]
 # lookup on a hit (see the module docstring), and the object file they live in.
 OURS_OBJECT = "nnscaler_eval/_C"
 DYNAMO_OBJECT = "libtorch_python"
-OURS_GUARD_FUNCTIONS = ["cache_find_bucket", "call_key_build", "cache_lookup"]
+OURS_GUARD_FUNCTIONS = ["config_buckets", "cache_find_bucket", "call_key_build",
+                        "cache_lookup"]
 OURS_GUARD_PARTS = {"key": ["call_key_build"], "state guards": ["cache_entry_check"]}
 DYNAMO_GUARD_FUNCTIONS = ["lookup"]
 
@@ -113,24 +116,67 @@ def parse_dump(text: str) -> tuple[Optional[str], Optional[int]]:
     return label, total
 
 
-_ANNOTATE_LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+([^:\s]*):(.+?)(?: \[(.+)\])?\s*$")
+_CLONE_SUFFIX = re.compile(r"(\.(isra|constprop|part|cold|lto_priv)(\.\d+)?)+$")
 
 
-def inclusive_costs(annotate_output: str, wanted: dict[str, tuple[str, list[str]]]
-                    ) -> dict[str, int]:
-    """Sum of the inclusive Ir that `callgrind_annotate --inclusive=yes` gives the
-    functions named in `wanted` ({figure: (object substring, [function, ...])}).  A
-    function's recursive activations (`name'2`) are inside its outer one's inclusive
-    cost and are not added again.  Figures whose functions do not appear are left out."""
-    found: dict[str, int] = {}
-    for line in annotate_output.splitlines():
-        m = _ANNOTATE_LINE.match(line)
-        if not m:
+def _name_id(value: str, table: dict[str, str]) -> str:
+    """The id of a compressed callgrind name, "(12) name" or "(12)", recording the name
+    the first time; an uncompressed name is its own id."""
+    if value.startswith("("):
+        end = value.index(")")
+        key = value[1:end]
+        if value[end + 1:].strip():
+            table[key] = value[end + 1:].strip()
+        return key
+    table[value] = value
+    return value
+
+
+def inclusive_costs(dump: str, wanted: dict[str, tuple[str, list[str]]]) -> dict[str, int]:
+    """Inclusive Ir, in one callgrind dump, of the functions named in `wanted`
+    ({figure: (object file substring, [function, ...])}), summed per figure.  A
+    function's inclusive cost is its own cost lines plus the inclusive costs of the
+    calls it makes (the line after each `calls=`).  GCC's clone suffixes
+    (`config_buckets.isra.0`) are ignored; recursive activations (`name'2`) are
+    inside the outer activation's cost and are not added again.  Figures whose
+    functions do not appear are left out."""
+    names: dict[str, str] = {}
+    objects: dict[str, str] = {}
+    fn_object: dict[str, Optional[str]] = {}
+    cost: dict[str, int] = {}
+    ob = cob = fn = None
+    for line in dump.splitlines():
+        if not line:
             continue
-        cost, function, obj = int(m.group(1).replace(",", "")), m.group(3), m.group(4) or ""
-        for figure, (object_part, names) in wanted.items():
-            if function in names and object_part in obj:
-                found[figure] = found.get(figure, 0) + cost
+        first = line[0]
+        if first.isdigit() or first in "+-*":
+            if fn is not None:
+                cost[fn] = cost.get(fn, 0) + int(line.split()[-1])
+            continue
+        key, eq, value = line.partition("=")
+        if not eq:
+            continue
+        if key == "ob":
+            ob = _name_id(value, objects)
+        elif key == "cob":
+            cob = _name_id(value, objects)
+        elif key == "fn":
+            fn = _name_id(value, names)
+            fn_object.setdefault(fn, ob)
+        elif key == "cfn":
+            fn_object.setdefault(_name_id(value, names), cob if cob is not None else ob)
+        elif key == "calls":
+            cob = None
+    found: dict[str, int] = {}
+    for fid, total in cost.items():
+        name = names.get(fid, "")
+        if re.search(r"'\d+$", name):
+            continue
+        name = _CLONE_SUFFIX.sub("", name)
+        obj = objects.get(fn_object.get(fid) or "", "")
+        for figure, (object_part, functions) in wanted.items():
+            if name in functions and object_part in obj:
+                found[figure] = found.get(figure, 0) + total
     return found
 
 
@@ -723,9 +769,8 @@ def function_figures(side: str, dumps: list[tuple[int, str]], per_iteration: int
         wanted = {"guard check + lookup": (DYNAMO_OBJECT, DYNAMO_GUARD_FUNCTIONS)}
     per_dump = []
     for n, path in dumps:
-        out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100",
-                              path], capture_output=True, text=True).stdout
-        per_dump.append((n, inclusive_costs(out, wanted)))
+        with open(path) as f:
+            per_dump.append((n, inclusive_costs(f.read(), wanted)))
     figures = {}
     for figure in wanted:
         samples = [(n, costs.get(figure, 0)) for n, costs in per_dump]
@@ -796,8 +841,8 @@ def derive(groups: dict) -> list[dict]:
     for depth in (1, 12, 48):
         point = f"stack, depth {depth}"
         add(f"hit overhead over its own compiled body, stack depth {depth}",
-            "as above, on the guard_check case's stack (the figure its timed version "
-            "gets from the difference of two long loops)",
+            "as above, on the guard_check case's stack (what its timed 'ours hit "
+            "overhead' / 'dynamo hit overhead' rows measure)",
             {"ours": _sub(_ir(groups, "depth", point, "ours"),
                           _ir(groups, "depth", point, "ours runner")),
              "dynamo": _sub(_ir(groups, "depth", point, "dynamo"),
@@ -916,8 +961,8 @@ def markdown(data: dict) -> str:
     if scoped:
         lines += ["", "## Guard check, same scope on both sides", "",
                   "Inclusive instructions per call of the functions that decide a hit, "
-                  "from the same dumps: ours = `cache_find_bucket` + `call_key_build` + "
-                  "`cache_lookup`; Dynamo = `lookup` (libtorch_python: every entry's "
+                  "from the same dumps: ours = `config_buckets` + `cache_find_bucket` "
+                  "(finding the module's bucket) + `call_key_build` + `cache_lookup`; Dynamo = `lookup` (libtorch_python: every entry's "
                   "guard manager until one passes). Both include the guards on the "
                   "tensor inputs and finding the entry. Parts of ours: the per-call key "
                   "(`call_key_build`) and the state guards (`cache_entry_check`).", "",
@@ -971,7 +1016,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         parser.error(f"unknown case group(s) {unknown}; known: {', '.join(GROUPS)}")
-    for tool in ("valgrind", "callgrind_annotate", "gcc"):
+    for tool in ("valgrind", "gcc"):
         if shutil.which(tool) is None:
             print(f"bench_ir: `{tool}` not found (apt-get install valgrind gcc)", file=sys.stderr)
             return 2

@@ -99,30 +99,60 @@ def test_bench_ir_median_drops_a_one_off_event_in_one_loop():
         per_call([(10, 1), (40, 2), (10, 3)])
 
 
-def test_bench_ir_reads_callgrind_dumps_and_annotate_output():
+def test_bench_ir_reads_callgrind_dumps():
     from benchmarks.bench_ir import inclusive_costs, parse_dump
 
-    dump = ("# callgrind format\nversion: 1\npart: 3\n\ndesc: I1 cache: \n"
-            "desc: Timerange: Basic block 0 - 149509\n"
-            "desc: Trigger: Client Request: inputs|0|ours|3|40\n\n"
-            "positions: line\nevents: Ir\nsummary: 438329\n\nfn=(1) x\n0 3\n"
-            "totals: 441947\n")
+    # The callgrind format with compressed names: costs after fn= are the function's
+    # own; the line after calls= is the inclusive cost of that call.
+    dump = """# callgrind format
+version: 1
+part: 3
+
+desc: I1 cache: 
+desc: Trigger: Client Request: inputs|0|ours|3|40
+
+positions: line
+events: Ir
+summary: 438329
+
+ob=(1) /w/nnscaler_eval/_C.so
+fl=(1) /w/guards/cache.c
+fn=(1) cache_lookup
+0 100
+cfn=(2) cache_entry_check
+calls=2 0
+0 400
++2 10
+fi=(2) /usr/include/python3.11/object.h
++1 5
+fe=(1)
+cfn=(3) cache_lookup'2
+calls=1 0
+0 50
+fn=(3)
+0 50
+fn=(2)
+0 400
+fl=(3) /w/csrc/dispatch.c
+fn=(4) config_buckets.isra.0
+0 70
+ob=(2) /v/torch/lib/libtorch_python.so
+fl=(4) ???
+fn=(5) lookup
+0 900
+ob=(3) /usr/lib/libother.so
+fn=(6) lookup
+0 7
+totals: 441947
+"""
     assert parse_dump(dump) == ("inputs|0|ours|3|40", 438329)
-    annotate = (
-        "18,083,220 (100.0%)  PROGRAM TOTALS\n"
-        "   362,160 ( 7.34%)  /w/guards/cache.c:cache_lookup [/w/nnscaler_eval/_C.so]\n"
-        "    12,000 ( 0.10%)  /w/guards/cache.c:cache_lookup'2 [/w/nnscaler_eval/_C.so]\n"
-        "   272,520 ( 5.52%)  /w/guards/call_key.c:call_key_build [/w/nnscaler_eval/_C.so]\n"
-        " 1,696,222 ( 9.38%)  ???:lookup [/v/torch/lib/libtorch_python.so]\n"
-        "     5,000 ( 0.01%)  ???:lookup [/usr/lib/libother.so]\n"
-        "    80,000 ( 0.40%)  ???:bool torch::dynamo::(anonymous namespace)::Root::"
-        "check<F>(F*) [/v/torch/lib/libtorch_python.so]\n")
-    wanted = {"ours": ("nnscaler_eval/_C", ["cache_lookup", "call_key_build"]),
+    wanted = {"ours": ("nnscaler_eval/_C", ["cache_lookup", "config_buckets"]),
+              "state": ("nnscaler_eval/_C", ["cache_entry_check"]),
               "dynamo": ("libtorch_python", ["lookup"]),
               "missing": ("nnscaler_eval/_C", ["cache_find_bucket"])}
-    # recursive activations (name'2) are inside the outer one's inclusive cost
-    assert inclusive_costs(annotate, wanted) == {"ours": 362_160 + 272_520,
-                                                 "dynamo": 1_696_222}
+    # cache_lookup: 100 + 400 (its call) + 10 + 5 (inlined code) + 50 (its recursion);
+    # the recursive activation is not added again; the clone suffix is ignored
+    assert inclusive_costs(dump, wanted) == {"ours": 565 + 70, "state": 400, "dynamo": 900}
 
 
 def test_paired_difference_subtracts_b_from_a_in_both_orders(monkeypatch):
