@@ -8,6 +8,8 @@
 #                from ../shared/python/; skipped with a message when absent)
 #   PYV=3.13 / PYV=3.14 with build, test or fuzz: that version's venv (.venv-3.13 ...)
 #   make bench / bench-quick  side-by-side benchmarks (benchmarks/)
+#   make bench-ir  instructions per call under callgrind, eager / ours / Dynamo
+#                (needs valgrind; BENCH_IR_ARGS="--quick --cases inputs,gpt" ...)
 #   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
 #                .venv-nnscaler: install order/uninstall checks, parallelize end to end
 PYTHON ?= python3
@@ -21,7 +23,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick lint clean sysdeps \
+.PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick bench-ir lint clean sysdeps \
 	test-nnscaler nnscaler-env test-3.13 test-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
@@ -142,6 +144,13 @@ bench-quick: build
 bench: build
 	$(PY) -m pip install -q matplotlib
 	$(PY) -m benchmarks.run
+
+# benchmarks/results/bench_ir-<date>.{md,json}; the figures README.md quotes.
+BENCH_IR_ARGS ?=
+bench-ir: build
+	@command -v valgrind >/dev/null 2>&1 || { \
+	  echo "error: bench-ir runs under valgrind's callgrind: apt-get install valgrind"; exit 1; }
+	$(PY) -m benchmarks.bench_ir $(BENCH_IR_ARGS)
 
 clean:
 	rm -rf build *.egg-info nnscaler_eval/_C*.so

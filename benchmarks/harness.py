@@ -272,6 +272,65 @@ def derive(minuend: Row, subtrahend: Row, variant: str, note: str) -> Row:
     return finish(row)
 
 
+def paired_difference(case: str, bench: str, variant: str, a: Callable[[], Any],
+                      b: Callable[[], Any], settings: Settings, note: str,
+                      unit: str = "us", params: Optional[dict] = None,
+                      context: Callable[[], Any] = contextlib.nullcontext) -> Row:
+    """A row of the per-call difference a() - b(), each call timed on its own, a and b
+    alternated call by call (ab, ba, ab, ...): a stall or drift of the machine lands
+    on both calls of a pair, where two separate loops (`derive`) let it land on one.
+    Each repeat runs pairs for at least `settings.min_time` and gives the median of its
+    pairs' differences; the row summarises the repeats.  For overheads that are small
+    against the calls themselves (a hit path around a long forward)."""
+    row = Row(case, bench, variant, unit, params=dict(params or {}), note=note)
+    scale = UNIT_SCALE[unit]
+    clock = _clock
+    try:
+        with context():
+            for _ in range(max(2, settings.warmup)):
+                a()
+                b()
+            t0 = clock()
+            for _ in range(3):
+                a()
+                b()
+            per_pair = max((clock() - t0) / 3, 1e-7)
+            pairs = max(5, min(settings.max_loops, math.ceil(settings.min_time / per_pair)))
+            row.loops = pairs
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                for _ in range(settings.repeats):
+                    diffs = []
+                    for i in range(pairs):
+                        if i % 2 == 0:
+                            t0 = clock()
+                            a()
+                            t1 = clock()
+                            b()
+                            t2 = clock()
+                            diffs.append((t1 - t0) - (t2 - t1))
+                        else:
+                            t0 = clock()
+                            b()
+                            t1 = clock()
+                            a()
+                            t2 = clock()
+                            diffs.append((t2 - t1) - (t1 - t0))
+                    row.samples.append(statistics.median(diffs) * scale)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+    except NotAvailable as exc:
+        row.status, row.error = "not available", error_text(exc)
+        return row
+    except Exception as exc:
+        row.status, row.error = "not available", error_text(exc)
+        row.note = _last_frame(exc)
+        return row
+    return finish(row)
+
+
 def unavailable_rows(case: str, bench: str, variants: Iterable[str], unit: str,
                      exc: BaseException, params: Optional[dict] = None) -> list[Row]:
     return [Row(case, bench, v, unit, status="not available", error=error_text(exc),

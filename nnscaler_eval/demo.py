@@ -60,13 +60,26 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing)
 
 
-def median_ms(fn, repeats: int = 15) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def interleaved_median_ms(fns: dict, repeats: int = 15) -> dict:
+    """ms per call of each of `fns`, median over `repeats`.  Every repetition runs each
+    one once, the order rotated by one per repetition (ABC, BCA, CAB, ...), so a slow
+    stretch of a shared machine lands on all of them alike instead of on one block."""
+    names = list(fns)
+    times: dict = {name: [] for name in names}
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def print_times(label: str, ms: dict) -> None:
+    base = ms["eager"]
+    print(f"  {label:9s}  " + "   ".join(
+        f"{name} {t:.3f} ms" + ("" if name == "eager" else f" (x{t / base:.2f})")
+        for name, t in ms.items()))
 
 
 def main() -> None:
@@ -129,25 +142,37 @@ def main() -> None:
     for fb in report.fallbacks:
         print(f"  fallback: {fb}")
 
-    print("\n== measured (median of 15, ms per step)")
-    model.eval()
-    eager.eval()
+    # One intra-op thread while timing: on a small shared machine two OpenMP threads
+    # made fwd+bwd 100x slower whenever one was descheduled (benchmarks/README.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    print("\n== measured (ms per step, median of 15, 1 thread; eager, nnscaler and "
+          "torch.compile(backend='eager') alternated every repetition)")
+    dynamo_model = TinyGPT()
+    dynamo_model.load_state_dict(eager.state_dict())
+    dynamo = torch.compile(dynamo_model, backend="eager")
+    models = {"eager": eager, "nnscaler": model, "dynamo": dynamo}
+    for m in models.values():
+        m.eval()
     with torch.no_grad():
-        for _ in range(3):
-            model(idx, targets)
-            eager(idx, targets)
-        t_eager = median_ms(lambda: eager(idx, targets))
-        t_ours = median_ms(lambda: model(idx, targets))
-    print(f"  inference  eager {t_eager:.3f} ms   nnscaler {t_ours:.3f} ms   ratio {t_ours / t_eager:.2f}")
-    model.train()
-    eager.train()
+        for _ in range(3):   # Dynamo compiles here; ours hits
+            for m in models.values():
+                m(idx, targets)
+        ms = interleaved_median_ms({name: (lambda m=m: m(idx, targets))
+                                    for name, m in models.items()})
+    print_times("inference", ms)
+    for m in models.values():
+        m.train()
 
     def step(m):
         m(idx, targets).backward()
 
-    t_eager = median_ms(lambda: step(eager))
-    t_ours = median_ms(lambda: step(model))
-    print(f"  fwd+bwd    eager {t_eager:.3f} ms   nnscaler {t_ours:.3f} ms   ratio {t_ours / t_eager:.2f}")
+    for _ in range(3):
+        for m in models.values():
+            step(m)
+    ms = interleaved_median_ms({name: (lambda m=m: step(m)) for name, m in models.items()})
+    print_times("fwd+bwd", ms)
+    torch.set_num_threads(threads)
     print(f"  final cache: {nnscaler.cache_info(model)}")
 
 

@@ -70,3 +70,103 @@ def test_run_two_cases_end_to_end(tmp_path: pathlib.Path):
     text = (tmp_path / "smoke.md").read_text()
     assert "## Headline" in text and "Lookup among N cached shapes" in text
     assert list(tmp_path.glob("smoke-*.png"))
+
+
+# --- benchmarks/bench_ir.py: the arithmetic that turns callgrind dumps into figures ---
+
+def test_bench_ir_n_difference_cancels_what_is_outside_the_loop():
+    from benchmarks.bench_ir import per_call
+
+    # Ir(n) = 5000 (set-up, client requests) + 300 n, for n = 10, 40, 10, 40, 10, 40
+    samples = [(n, 5000 + 300 * n) for n in (10, 40) * 3]
+    assert per_call(samples) == (300.0, 0.0)
+    # a round-robin loop making 4 calls per iteration
+    assert per_call(samples, per_iteration=4) == (75.0, 0.0)
+    # with two pairs: their mean, and half their difference
+    assert per_call([(10, 3000), (40, 12000), (10, 3100), (40, 12700)]) == (310.0, 10.0)
+
+
+def test_bench_ir_median_drops_a_one_off_event_in_one_loop():
+    from benchmarks.bench_ir import per_call
+
+    samples = [(10, 3000), (40, 12000), (10, 3000), (40, 12000 + 250_000),
+               (10, 3000), (40, 12030)]
+    value, spread = per_call(samples)
+    assert value == 301.0 and spread == 1.0
+    with pytest.raises(ValueError):
+        per_call([(10, 1), (10, 2)])
+    with pytest.raises(ValueError):
+        per_call([(10, 1), (40, 2), (10, 3)])
+
+
+def test_bench_ir_reads_callgrind_dumps():
+    from benchmarks.bench_ir import inclusive_costs, parse_dump
+
+    # The callgrind format with compressed names: costs after fn= are the function's
+    # own; the line after calls= is the inclusive cost of that call.
+    dump = """# callgrind format
+version: 1
+part: 3
+
+desc: I1 cache: 
+desc: Trigger: Client Request: inputs|0|ours|3|40
+
+positions: line
+events: Ir
+summary: 438329
+
+ob=(1) /w/nnscaler_eval/_C.so
+fl=(1) /w/guards/cache.c
+fn=(1) cache_lookup
+0 100
+cfn=(2) cache_entry_check
+calls=2 0
+0 400
++2 10
+fi=(2) /usr/include/python3.11/object.h
++1 5
+fe=(1)
+cfn=(3) cache_lookup'2
+calls=1 0
+0 50
+fn=(3)
+0 50
+fn=(2)
+0 400
+fl=(3) /w/csrc/dispatch.c
+fn=(4) config_buckets.isra.0
+0 70
+ob=(2) /v/torch/lib/libtorch_python.so
+fl=(4) ???
+fn=(5) lookup
+0 900
+ob=(3) /usr/lib/libother.so
+fn=(6) lookup
+0 7
+totals: 441947
+"""
+    assert parse_dump(dump) == ("inputs|0|ours|3|40", 438329)
+    wanted = {"ours": ("nnscaler_eval/_C", ["cache_lookup", "config_buckets"]),
+              "state": ("nnscaler_eval/_C", ["cache_entry_check"]),
+              "dynamo": ("libtorch_python", ["lookup"]),
+              "missing": ("nnscaler_eval/_C", ["cache_find_bucket"])}
+    # cache_lookup: 100 + 400 (its call) + 10 + 5 (inlined code) + 50 (its recursion);
+    # the recursive activation is not added again; the clone suffix is ignored
+    assert inclusive_costs(dump, wanted) == {"ours": 565 + 70, "state": 400, "dynamo": 900}
+
+
+def test_paired_difference_subtracts_b_from_a_in_both_orders(monkeypatch):
+    # A fake clock that only a() and b() move: a costs 5 s, b 2 s, whichever runs first.
+    now = [0.0]
+
+    def a():
+        now[0] += 5.0
+
+    def b():
+        now[0] += 2.0
+
+    monkeypatch.setattr(harness, "_clock", lambda: now[0])
+    row = harness.paired_difference("smoke", "pair", "a - b", a, b,
+                                    Settings(repeats=3, min_time=60.0, warmup=1),
+                                    note="fake clock", unit="s")
+    assert row.status == "ok" and row.samples == [3.0, 3.0, 3.0] and row.loops == 9
