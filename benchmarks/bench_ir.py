@@ -31,8 +31,8 @@ reported as not valid.
 
 Same-scope guard check.  From the same dumps, inclusive instructions of the functions
 that decide a hit (summed from the dump the way `callgrind_annotate --inclusive=yes`
-does): ours = `config_buckets` +
-`cache_find_bucket` (the module's bucket: both scan lists) + `call_key_build` (the
+does): ours = `cache_tables_find` +
+`cache_table_find` (the config's table, then the owner's bucket: both O(1) hash probes) + `call_key_build` (the
 per-call key over the inputs) + `cache_lookup` (key compare and the state guards,
 `cache_entry_check`); Dynamo = `lookup` in libtorch_python (every
 entry's root guard manager, tensor guards on the inputs included, until one passes).
@@ -76,7 +76,7 @@ SIDES = ["eager", "ours", "dynamo"]
 # lookup on a hit (see the module docstring), and the object file they live in.
 OURS_OBJECT = "nnscaler_eval/_C"
 DYNAMO_OBJECT = "libtorch_python"
-OURS_GUARD_FUNCTIONS = ["config_buckets", "cache_find_bucket", "call_key_build",
+OURS_GUARD_FUNCTIONS = ["cache_tables_find", "cache_table_find", "call_key_build",
                         "cache_lookup"]
 OURS_GUARD_PARTS = {"key": ["call_key_build"], "state guards": ["cache_entry_check"]}
 DYNAMO_GUARD_FUNCTIONS = ["lookup"]
@@ -137,7 +137,7 @@ def inclusive_costs(dump: str, wanted: dict[str, tuple[str, list[str]]]) -> dict
     ({figure: (object file substring, [function, ...])}), summed per figure.  A
     function's inclusive cost is its own cost lines plus the inclusive costs of the
     calls it makes (the line after each `calls=`).  GCC's clone suffixes
-    (`config_buckets.isra.0`) are ignored; recursive activations (`name'2`) are
+    (`cache_tables_find.isra.0`) are ignored; recursive activations (`name'2`) are
     inside the outer activation's cost and are not added again.  Figures whose
     functions do not appear are left out."""
     names: dict[str, str] = {}
@@ -961,7 +961,7 @@ def markdown(data: dict) -> str:
     if scoped:
         lines += ["", "## Guard check, same scope on both sides", "",
                   "Inclusive instructions per call of the functions that decide a hit, "
-                  "from the same dumps: ours = `config_buckets` + `cache_find_bucket` "
+                  "from the same dumps: ours = `cache_tables_find` + `cache_table_find` "
                   "(finding the module's bucket) + `call_key_build` + `cache_lookup`; Dynamo = `lookup` (libtorch_python: every entry's "
                   "guard manager until one passes). Both include the guards on the "
                   "tensor inputs and finding the entry. Parts of ours: the per-call key "

@@ -11,7 +11,7 @@ code_state_free(void *ptr)
         return;
     }
     Py_CLEAR(cs->rewritten);
-    Py_CLEAR(cs->configs);
+    cache_tables_clear(&cs->tables);
     PyMem_Free(cs);
 }
 

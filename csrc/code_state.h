@@ -8,6 +8,7 @@
 #define NNSCALER_CODE_STATE_H
 
 #include "compat.h"
+#include "cache_table.h"
 
 enum {
     CS_SKIP = 1 << 0,        /* never intercepted: generators, class bodies, our own code */
@@ -18,10 +19,10 @@ typedef struct CodeState {
     unsigned flags;
     int n_sites;              /* rewritten self.training sites */
     PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
-    /* owned list of CacheTable, one per capture config (held weakly by its table),
-     * or NULL; a table finds the bucket of an owner (`self`, or the function object
-     * of a compiled function) in O(1) (guards/cache_table.h). */
-    PyObject *configs;
+    /* one CacheTable per capture config, found by config in O(1); a table finds
+     * the bucket of an owner (`self`, or the function object of a compiled
+     * function) in O(1) (guards/cache_table.h) */
+    CacheTableSet tables;
 } CodeState;
 
 /* Index into co_extra; must be called once at module init. -1 on error. */

@@ -22,65 +22,11 @@
 
 /* ------------------------------------------------------- buckets per config */
 
-/* Borrowed table of `config` in `cs`, or NULL when there is none yet.  Never
- * raises; runs no Python (tables of collected configs are pruned on a miss). */
-static CacheTable *
-config_table(CodeState *cs, PyObject *config)
-{
-    PyObject *tables = cs->configs;
-    if (tables == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tables); i++) {
-        CacheTable *table = (CacheTable *)PyList_GET_ITEM(tables, i);
-        if (cache_table_config(table) == config) {
-            return table;
-        }
-    }
-    return NULL;
-}
-
-/* New reference to the table of `config` in `cs`, created if missing; tables
- * whose config was collected are dropped first.  NULL with an exception set on
- * error.  May run Python (what the dropped entries release). */
-static CacheTable *
-config_table_create(CodeState *cs, PyObject *config)
-{
-    PyObject *tables = NULL;      /* owned: a finaliser may reset() meanwhile */
-    CacheTable *table = NULL;     /* owned */
-
-    if (cs->configs != NULL) {
-        tables = Py_NewRef(cs->configs);
-        for (Py_ssize_t i = PyList_GET_SIZE(tables) - 1; i >= 0; i--) {
-            if (i < PyList_GET_SIZE(tables) &&
-                cache_table_config((CacheTable *)PyList_GET_ITEM(tables, i)) == Py_None &&
-                PySequence_DelItem(tables, i) < 0) {
-                goto done;
-            }
-        }
-        Py_CLEAR(tables);
-    }
-    if ((table = config_table(cs, config)) != NULL) {
-        Py_INCREF(table);
-        goto done;
-    }
-    if ((table = cache_table_new(config)) == NULL) {
-        goto done;
-    }
-    if ((cs->configs == NULL && (cs->configs = PyList_New(0)) == NULL) ||
-        PyList_Append(cs->configs, (PyObject *)table) < 0) {
-        Py_CLEAR(table);
-    }
-done:
-    Py_XDECREF(tables);
-    return table;
-}
-
 /* Borrowed live bucket of (`owner`, `config`), or NULL.  Runs no Python. */
 static CacheBucket *
 find_bucket(CodeState *cs, PyObject *config, PyObject *owner)
 {
-    CacheTable *table = config_table(cs, config);
+    CacheTable *table = cache_tables_find(&cs->tables, config);
     return table ? cache_table_find(table, owner) : NULL;
 }
 
@@ -267,7 +213,7 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     if (bucket != NULL) {
         held = (CacheBucket *)Py_NewRef(bucket);   /* convert_frame may reset() */
     }
-    else if ((table = config_table_create(cs, config)) == NULL ||
+    else if ((table = cache_tables_ensure(&cs->tables, config)) == NULL ||
              (held = cache_table_add(table, owner, arm_current_home(ts))) == NULL) {
         goto internal_error;
     }

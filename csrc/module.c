@@ -179,26 +179,6 @@ bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
     return bytecode_roundtrip((PyCodeObject *)code);
 }
 
-/* New list of every live bucket of `cs`, all configs together.  May run Python (an
- * allocation can collect garbage), so the table list is held while walked. */
-static PyObject *
-all_buckets(CodeState *cs)
-{
-    PyObject *result = PyList_New(0);
-    PyObject *tables = cs->configs ? Py_NewRef(cs->configs) : NULL;   /* owned */
-    for (Py_ssize_t i = 0; result != NULL && tables != NULL &&
-                           i < PyList_GET_SIZE(tables); i++) {
-        PyObject *buckets = cache_table_buckets((CacheTable *)PyList_GET_ITEM(tables, i));
-        Py_ssize_t end = PyList_GET_SIZE(result);
-        if (buckets == NULL || PyList_SetSlice(result, end, end, buckets) < 0) {
-            Py_CLEAR(result);
-        }
-        Py_XDECREF(buckets);
-    }
-    Py_XDECREF(tables);
-    return result;
-}
-
 static PyObject *
 py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
 {
@@ -210,7 +190,7 @@ py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
     if (cs == NULL) {
         Py_RETURN_NONE;
     }
-    PyObject *buckets = all_buckets(cs);
+    PyObject *buckets = cache_tables_buckets(&cs->tables);
     if (buckets == NULL) {
         return NULL;
     }
@@ -260,17 +240,11 @@ py_clear_cache(PyObject *Py_UNUSED(module), PyObject *code)
         return NULL;
     }
     CodeState *cs = code_state_peek((PyCodeObject *)code);
-    PyObject *tables = cs != NULL ? cs->configs : NULL;   /* owned below */
-    if (tables == NULL) {
-        Py_RETURN_NONE;
+    if (cs != NULL) {
+        /* Buckets owned by a compiled wrapper outlive the tables: they are retired
+         * too.  A dispatch in progress holds what it uses. */
+        cache_tables_retire_all(&cs->tables);
     }
-    /* Buckets owned by a compiled wrapper outlive the table: retire them too.  A
-     * dispatch in progress holds what it uses. */
-    cs->configs = NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tables); i++) {
-        cache_table_retire_all((CacheTable *)PyList_GET_ITEM(tables, i));
-    }
-    Py_DECREF(tables);
     Py_RETURN_NONE;
 }
 

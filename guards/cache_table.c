@@ -262,3 +262,138 @@ PyTypeObject CacheTable_Type = {
     .tp_traverse = (traverseproc)table_traverse,
     .tp_clear = (inquiry)table_clear,
 };
+
+/* ----------------------------------------------------- tables of one code */
+
+/* Borrowed live table a set slot refers to: its config still alive. */
+static inline CacheTable *
+slot_table(const CacheTableSlot *slot)
+{
+    CacheTable *table = (CacheTable *)slot->ref;
+    return (table != NULL && cache_table_config(table) == (PyObject *)slot->owner)
+        ? table : NULL;
+}
+
+CacheTable *
+cache_tables_find(CacheTableSet *set, PyObject *config)
+{
+    if (set->capacity == 0) {
+        return NULL;
+    }
+    CacheTableSlot *slot = probe(set->slots, set->capacity, config);
+    return slot->owner != NULL ? slot_table(slot) : NULL;
+}
+
+/* grow() for a set: the live tables move to a new array, the old one goes to
+ * *garbage.  0, or -1 with MemoryError. */
+static int
+grow_set(CacheTableSet *set, CacheTableSlot **garbage, Py_ssize_t *garbage_n)
+{
+    Py_ssize_t live = 0;
+    for (Py_ssize_t i = 0; i < set->capacity; i++) {
+        live += slot_table(&set->slots[i]) != NULL;
+    }
+    Py_ssize_t capacity = TABLE_MIN_CAPACITY;
+    while (capacity < 2 * (live + 1)) {
+        capacity *= 2;
+    }
+    CacheTableSlot *slots = PyMem_Calloc((size_t)capacity, sizeof(CacheTableSlot));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    CacheTableSlot *old = set->slots;
+    for (Py_ssize_t i = 0; i < set->capacity; i++) {
+        if (slot_table(&old[i]) != NULL) {
+            *probe(slots, capacity, old[i].owner) = old[i];
+            old[i].ref = NULL;
+        }
+    }
+    *garbage = old;
+    *garbage_n = set->capacity;
+    set->slots = slots;
+    set->capacity = capacity;
+    set->used = live;
+    return 0;
+}
+
+CacheTable *
+cache_tables_ensure(CacheTableSet *set, PyObject *config)
+{
+    CacheTable *table = cache_tables_find(set, config);
+    if (table != NULL) {
+        return (CacheTable *)Py_NewRef(table);
+    }
+    CacheTableSlot *garbage = NULL;
+    Py_ssize_t garbage_n = 0;
+    if ((table = cache_table_new(config)) == NULL) {
+        return NULL;
+    }
+    /* No Python from here to the slot write. */
+    if ((set->used + 1) * 3 > set->capacity * 2 && grow_set(set, &garbage, &garbage_n) < 0) {
+        Py_DECREF(table);
+        return NULL;
+    }
+    CacheTableSlot *slot = probe(set->slots, set->capacity, config);
+    PyObject *old = slot->ref;   /* the table of a dead config at this address */
+    if (slot->owner == NULL) {
+        set->used++;
+    }
+    slot->owner = config;
+    slot->ref = Py_NewRef(table);
+    Py_XDECREF(old);
+    if (garbage != NULL) {
+        release_slots(garbage, garbage_n);
+    }
+    return table;
+}
+
+PyObject *
+cache_tables_buckets(CacheTableSet *set)
+{
+    /* Collected first: building the lists allocates, and a collection may run
+     * Python that changes the set. */
+    PyObject *tables = PyList_New(0);
+    for (Py_ssize_t i = 0; tables != NULL && i < set->capacity; i++) {
+        CacheTable *table = slot_table(&set->slots[i]);
+        if (table != NULL && PyList_Append(tables, (PyObject *)table) < 0) {
+            Py_CLEAR(tables);
+        }
+    }
+    PyObject *result = tables != NULL ? PyList_New(0) : NULL;
+    for (Py_ssize_t i = 0; result != NULL && i < PyList_GET_SIZE(tables); i++) {
+        PyObject *buckets = cache_table_buckets((CacheTable *)PyList_GET_ITEM(tables, i));
+        Py_ssize_t end = PyList_GET_SIZE(result);
+        if (buckets == NULL || PyList_SetSlice(result, end, end, buckets) < 0) {
+            Py_CLEAR(result);
+        }
+        Py_XDECREF(buckets);
+    }
+    Py_XDECREF(tables);
+    return result;
+}
+
+void
+cache_tables_retire_all(CacheTableSet *set)
+{
+    CacheTableSlot *slots = set->slots;
+    Py_ssize_t capacity = set->capacity;
+    set->slots = NULL;
+    set->capacity = set->used = 0;
+    for (Py_ssize_t i = 0; i < capacity; i++) {
+        if (slots[i].ref != NULL) {
+            cache_table_retire_all((CacheTable *)slots[i].ref);   /* held by the slot */
+        }
+    }
+    release_slots(slots, capacity);
+}
+
+void
+cache_tables_clear(CacheTableSet *set)
+{
+    CacheTableSlot *slots = set->slots;
+    Py_ssize_t capacity = set->capacity;
+    set->slots = NULL;
+    set->capacity = set->used = 0;
+    release_slots(slots, capacity);
+}

@@ -38,8 +38,30 @@ typedef struct {
 
 extern PyTypeObject CacheTable_Type;
 
-/* New table for `config` (borrowed).  NULL with an exception set on error. */
-CacheTable *cache_table_new(PyObject *config);
+/* The tables of one code object, found by config in O(1) (many instances each
+ * compiled on its own make many configs for one forward).  Keyed by the config's
+ * address, checked against the table's weak reference to it.  Embedded in the
+ * CodeState; zero-initialised is empty. */
+typedef struct {
+    CacheTableSlot *slots;     /* owner: a config's address; ref: owned CacheTable */
+    Py_ssize_t capacity;
+    Py_ssize_t used;
+} CacheTableSet;
+
+/* Borrowed table of `config`, or NULL.  Runs no Python, never raises. */
+CacheTable *cache_tables_find(CacheTableSet *set, PyObject *config);
+/* New reference to the table of `config`, made if missing (tables of collected
+ * configs are dropped when the set grows).  NULL with an exception set on error.
+ * May run Python (what dropped tables release). */
+CacheTable *cache_tables_ensure(CacheTableSet *set, PyObject *config);
+/* New list of every live bucket of every table.  NULL with an exception set. */
+PyObject *cache_tables_buckets(CacheTableSet *set);
+/* reset(): the set is emptied and every bucket of its tables retired.  Never
+ * fails; may run Python. */
+void cache_tables_retire_all(CacheTableSet *set);
+/* Frees the set's slots and tables (the code object is being freed).  May run
+ * Python. */
+void cache_tables_clear(CacheTableSet *set);
 
 /* Borrowed: the table's config, or Py_None once it was collected. */
 PyObject *cache_table_config(CacheTable *table);

@@ -366,10 +366,12 @@ def test_compile_plain_function_and_enable_capture_mode():
     assert nnscaler.cache_info(f).captures == 1 and nnscaler.cache_info(f).hits == 2
 
     m = MLP(4)
-    with nnscaler.eval_frame.enable(backend="eager"):
-        for _ in range(3):
-            m(torch.ones(2, 4))
-    assert nnscaler.cache_info(m).captures == 1
+    region = nnscaler.eval_frame.enable(backend="eager")   # its caches live as long as it
+    for _ in range(2):
+        with region:
+            for _ in range(3):
+                m(torch.ones(2, 4))
+    assert nnscaler.cache_info(m).captures == 1 and nnscaler.cache_info(m).hits == 5
 
 
 def test_explain_report():
