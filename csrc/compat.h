@@ -192,6 +192,52 @@ nns_type_lookup(PyTypeObject *tp, PyObject *name)
     return _PyType_Lookup(tp, name);
 }
 
+/* ---- the PEP 523 slot and the thread state (the same API 3.11-3.14) ---- */
+
+/* The evaluator function type of PEP 523 (_PyFrameEvalFunction, unchanged since
+ * 3.11; compat_py3XX.c passes NnsFrame for the version's frame struct). */
+typedef _PyFrameEvalFunction NnsEvalFrameFunc;
+
+/* The interpreter's evaluator, and CPython's own.  Run no Python. */
+static inline NnsEvalFrameFunc
+nns_get_eval_frame(void)
+{
+    return _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get());
+}
+
+static inline void
+nns_set_eval_frame(NnsEvalFrameFunc f)
+{
+    _PyInterpreterState_SetEvalFrameFunc(PyInterpreterState_Get(), f);
+}
+
+static inline NnsEvalFrameFunc
+nns_default_eval_frame(void)
+{
+    return _PyEval_EvalFrameDefault;
+}
+
+/* Thread-state fields the arming cache keys on (cpython/pystate.h, unchanged in
+ * 3.11-3.14): the thread's unique id, its current context (borrowed, may be NULL)
+ * and the version CPython bumps whenever the thread enters or leaves a context. */
+static inline uint64_t
+nns_thread_id(PyThreadState *ts)
+{
+    return ts->id;
+}
+
+static inline PyObject *
+nns_thread_context(PyThreadState *ts)
+{
+    return ts->context;
+}
+
+static inline uint64_t
+nns_thread_context_version(PyThreadState *ts)
+{
+    return ts->context_ver;
+}
+
 /* ---- bytecode tables (filled per version) ---- */
 typedef struct {
     int cache_entries[256];   /* inline CACHE code units after each opcode */

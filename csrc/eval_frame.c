@@ -23,7 +23,7 @@
 
 static Py_ssize_t armed_regions;        /* protected by the GIL */
 static uint64_t arm_seq;                /* last seq given to a context region */
-static _PyFrameEvalFunction previous_eval_frame;
+static NnsEvalFrameFunc previous_eval_frame;
 static int hook_installed;
 static PyObject *arm_var;               /* owned: the ContextVar of context regions */
 static PyObject *thread_guard_key;      /* owned: key of the ThreadGuard in the thread dict */
@@ -33,23 +33,20 @@ static PyObject *nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_fl
 static void
 install_hook(void)
 {
-    PyInterpreterState *interp = PyInterpreterState_Get();
-    previous_eval_frame = _PyInterpreterState_GetEvalFrameFunc(interp);
+    previous_eval_frame = nns_get_eval_frame();
     if (previous_eval_frame == nns_eval_frame) {
         previous_eval_frame = NULL;
     }
-    _PyInterpreterState_SetEvalFrameFunc(interp, nns_eval_frame);
+    nns_set_eval_frame(nns_eval_frame);
     hook_installed = 1;
 }
 
 static void
 uninstall_hook(void)
 {
-    PyInterpreterState *interp = PyInterpreterState_Get();
     /* Restore only if nobody replaced us in between (they own the slot then). */
-    if (_PyInterpreterState_GetEvalFrameFunc(interp) == nns_eval_frame) {
-        _PyInterpreterState_SetEvalFrameFunc(
-            interp, previous_eval_frame ? previous_eval_frame : _PyEval_EvalFrameDefault);
+    if (nns_get_eval_frame() == nns_eval_frame) {
+        nns_set_eval_frame(previous_eval_frame ? previous_eval_frame : nns_default_eval_frame());
     }
     previous_eval_frame = NULL;
     hook_installed = 0;
@@ -190,7 +187,7 @@ static PyTypeObject ArmState_Type = {
 };
 
 /* Per-thread cache of the context region, valid while the thread state and its
- * context version are the ones recorded: CPython bumps ts->context_ver whenever
+ * context version are the ones recorded: CPython bumps the context version whenever
  * this thread enters or leaves a context (Context.run, asyncio task steps), and
  * arm_var is set only by arm_context/disarm_context on the thread whose context
  * it is, which drop the cache by hand (a set does not bump the version).  `state`
@@ -206,13 +203,11 @@ typedef struct {
 
 static _Thread_local ThreadArm tls_arm;
 
-/* Thread-state fields read here exist unchanged in 3.11-3.14 (cpython/pystate.h);
- * they belong behind compat.h, which another change owns. */
 static int
 context_state_refresh(PyThreadState *ts, ThreadArm *arm, ArmState **out)
 {
     ArmState *state = NULL;
-    if (ts->context != NULL) {
+    if (nns_thread_context(ts) != NULL) {
         /* With a context present this is a HAMT lookup of an identity-hashed key:
          * no allocation, no Python. */
         PyObject *value = NULL;
@@ -227,8 +222,8 @@ context_state_refresh(PyThreadState *ts, ThreadArm *arm, ArmState **out)
             state = (ArmState *)state->prev;
         }
     }
-    arm->ts_id = ts->id;
-    arm->ctx_ver = ts->context_ver;
+    arm->ts_id = nns_thread_id(ts);
+    arm->ctx_ver = nns_thread_context_version(ts);
     arm->state = state;
     *out = state;
     return 0;
@@ -242,7 +237,7 @@ arm_resolve_region(PyThreadState *ts, PyObject **config, PyObject **target,
 {
     ThreadArm *arm = &tls_arm;
     ArmState *state = arm->state;
-    if (arm->ts_id != ts->id || arm->ctx_ver != ts->context_ver ||
+    if (arm->ts_id != nns_thread_id(ts) || arm->ctx_ver != nns_thread_context_version(ts) ||
         (state != NULL && !state->active)) {
         if (context_state_refresh(ts, arm, &state) < 0) {
             return -1;
@@ -274,7 +269,7 @@ arm_resolve(PyThreadState *ts, PyObject **config, PyObject **target)
     return arm_resolve_region(ts, config, target, &count);
 }
 
-/* arm_var was set on this thread: ts->context_ver does not move for a set, so the
+/* arm_var was set on this thread: the context version does not move for a set, so the
  * cache is dropped by hand. */
 static inline void
 context_state_forget(void)
@@ -550,7 +545,7 @@ arm_context(PyObject *config, PyObject *target, PyObject *home)
     }
     token->state = (ArmState *)Py_NewRef(state);
     token->context = NULL;   /* known once set: the set creates it if missing */
-    token->thread_id = ts->id;
+    token->thread_id = nns_thread_id(ts);
     token->thread_ident = PyThread_get_thread_ident();
     token->guard = NULL;
     token->next = token->prev_token = NULL;
@@ -568,10 +563,10 @@ arm_context(PyObject *config, PyObject *target, PyObject *home)
         goto done;
     }
     /* Committed: nothing below fails or runs Python. */
-    token->context = Py_XNewRef(ts->context);
+    token->context = Py_XNewRef(nns_thread_context(ts));
     context_state_forget();
     state->active = 1;
-    count_open(&state->count, now, outer_count, ts->context);
+    count_open(&state->count, now, outer_count, nns_thread_context(ts));
     token->status = TOKEN_OPEN;
     token->guard = guard;
     token->next = guard->open;
@@ -613,14 +608,14 @@ disarm_context(PyObject *obj)
         PyErr_SetString(PyExc_RuntimeError, "disarm(): this token was already used");
         goto done;
     }
-    if (token->thread_id != ts->id) {
+    if (token->thread_id != nns_thread_id(ts)) {
         PyErr_Format(PyExc_RuntimeError,
                      "disarm(): this token was armed on thread %lu and cannot be disarmed "
                      "on thread %lu: arming is per thread",
                      token->thread_ident, PyThread_get_thread_ident());
         goto done;
     }
-    if (token->context != ts->context) {
+    if (token->context != nns_thread_context(ts)) {
         PyErr_SetString(PyExc_RuntimeError,
                         "disarm(): this token was armed in another context (another asyncio "
                         "task, or inside contextvars.Context.run()); disarm it in the "
@@ -691,7 +686,7 @@ int
 eval_frame_installed(void)
 {
     return hook_installed &&
-           _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get()) == nns_eval_frame;
+           nns_get_eval_frame() == nns_eval_frame;
 }
 
 Py_ssize_t

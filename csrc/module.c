@@ -14,6 +14,7 @@
 #include "rewrite.h"
 
 NnsGlobals nns_globals = {.code_extra_index = -1};
+GuardEnv guard_env;
 
 int
 nns_report_internal_error(const char *where)
@@ -129,8 +130,8 @@ py_install(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     set_global(&nns_globals.run_eagerly, args[3]);
     set_global(&nns_globals.run_disarmed, args[4]);
     set_global((PyObject **)&nns_globals.module_type, args[5]);
-    set_global((PyObject **)&nns_globals.tensor_type, args[6]);
-    set_global(&nns_globals.is_grad_enabled, args[7]);
+    set_global((PyObject **)&guard_env.tensor_type, args[6]);
+    set_global(&guard_env.is_grad_enabled, args[7]);
     set_global(&nns_globals.global_hook_dicts, args[8]);
     set_global(&nns_globals.internal_prefix, args[9]);
     set_global(&nns_globals.len_torch_function_stack, args[10]);
@@ -257,8 +258,7 @@ py_eval_frame_installed(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored
 static PyObject *
 py_is_default_eval_frame(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
-    _PyFrameEvalFunction f = _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get());
-    return PyBool_FromLong(f == _PyEval_EvalFrameDefault);
+    return PyBool_FromLong(nns_get_eval_frame() == nns_default_eval_frame());
 }
 
 static PyObject *
@@ -352,14 +352,14 @@ module_exec(PyObject *module)
         return -1;
     }
     struct { PyObject **slot; const char *s; } names[] = {
-        {&nns_globals.str_training, "training"},
+        {&guard_env.str_training, "training"},
         {&nns_globals.str_forward, "forward"},
         {&nns_globals.str_call_impl, "_call_impl"},
-        {&nns_globals.str_dtype, "dtype"},
-        {&nns_globals.str_shape, "shape"},
-        {&nns_globals.str_stride, "stride"},
-        {&nns_globals.str_device, "device"},
-        {&nns_globals.str_requires_grad, "requires_grad"},
+        {&guard_env.str_dtype, "dtype"},
+        {&guard_env.str_shape, "shape"},
+        {&guard_env.str_stride, "stride"},
+        {&guard_env.str_device, "device"},
+        {&guard_env.str_requires_grad, "requires_grad"},
         {&nns_globals.str_forward_hooks, "_forward_hooks"},
         {&nns_globals.str_forward_pre_hooks, "_forward_pre_hooks"},
         {&nns_globals.str_backward_hooks, "_backward_hooks"},

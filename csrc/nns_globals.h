@@ -9,6 +9,7 @@
 #define NNSCALER_GLOBALS_H
 
 #include "compat.h"
+#include "guard_env.h"   /* the objects guards/ needs, set with these */
 
 typedef struct {
     Py_ssize_t code_extra_index;   /* from _PyEval_RequestCodeExtraIndex, -1 before init */
@@ -19,14 +20,11 @@ typedef struct {
     PyObject *run_disarmed;        /* ... evaluate it with callees not intercepted either */
     PyObject *internal_prefix;     /* str: directory of nnscaler_eval (frames hidden in tracebacks) */
     PyTypeObject *module_type;     /* torch.nn.Module */
-    PyTypeObject *tensor_type;     /* torch._C.TensorBase */
-    PyObject *is_grad_enabled;     /* torch.is_grad_enabled */
     PyObject *global_hook_dicts;   /* tuple of torch.nn.modules.module._global_*_hooks dicts */
     PyObject *len_torch_function_stack;   /* torch._C._len_torch_function_stack */
     PyObject *pop_torch_function_stack;   /* torch._C._pop_torch_function_stack */
     /* interned names */
-    PyObject *str_training, *str_forward, *str_call_impl, *str_dtype, *str_shape,
-        *str_stride, *str_device, *str_requires_grad;
+    PyObject *str_forward, *str_call_impl;
     PyObject *str_forward_hooks, *str_forward_pre_hooks, *str_backward_hooks,
         *str_backward_pre_hooks;
 } NnsGlobals;

@@ -1,7 +1,7 @@
 /* cache.c - CacheEntry and CacheBucket. */
 #include <stddef.h>
 #include "cache.h"
-#include "nns_globals.h"
+#include "guard_env.h"
 #include "structmember.h"
 
 /* ---------------------------------------------------------------- CacheEntry */
@@ -218,10 +218,10 @@ cache_read_training(PyObject *module)
 {
     /* The common case, no Python: `training` is a bool in the instance __dict__ and
      * nothing on the type (a property, a __getattribute__) comes before it. */
-    if (nns_type_reads_instance_dict(Py_TYPE(module), nns_globals.str_training)) {
+    if (nns_type_reads_instance_dict(Py_TYPE(module), guard_env.str_training)) {
         PyObject *dict = nns_object_dict(module);
         PyObject *flag = dict != NULL && PyDict_CheckExact(dict)
-            ? PyDict_GetItemWithError(dict, nns_globals.str_training) : NULL;
+            ? PyDict_GetItemWithError(dict, guard_env.str_training) : NULL;
         if (flag == Py_True || flag == Py_False) {
             return flag;
         }
@@ -229,7 +229,7 @@ cache_read_training(PyObject *module)
             return NULL;
         }
     }
-    PyObject *flag = PyObject_GetAttr(module, nns_globals.str_training);
+    PyObject *flag = PyObject_GetAttr(module, guard_env.str_training);
     if (flag == NULL) {
         return NULL;
     }

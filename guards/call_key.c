@@ -1,6 +1,6 @@
 /* call_key.c - encoding the per-call key and hashing it with XXH3. */
 #include "call_key.h"
-#include "nns_globals.h"
+#include "guard_env.h"
 #include "tensor_meta.h"
 
 #include <stddef.h>
@@ -196,25 +196,25 @@ put_tensor(CallKey *key, PyObject *t)
         goto done;
     }
     /* torch.dtype objects are process-wide singletons: identity is the value. */
-    if ((dtype = PyObject_GetAttr(t, nns_globals.str_dtype)) == NULL || put_ptr(key, dtype) < 0) {
+    if ((dtype = PyObject_GetAttr(t, guard_env.str_dtype)) == NULL || put_ptr(key, dtype) < 0) {
         goto done;
     }
     /* torch.device hashes its (type, index) pair injectively. */
-    if ((device = PyObject_GetAttr(t, nns_globals.str_device)) == NULL) {
+    if ((device = PyObject_GetAttr(t, guard_env.str_device)) == NULL) {
         goto done;
     }
     Py_hash_t dev_hash = PyObject_Hash(device);
     if (dev_hash == -1 || put_i64(key, (int64_t)dev_hash) < 0) {
         goto done;
     }
-    if ((shape = PyObject_GetAttr(t, nns_globals.str_shape)) == NULL || put_int_sequence(key, shape) < 0) {
+    if ((shape = PyObject_GetAttr(t, guard_env.str_shape)) == NULL || put_int_sequence(key, shape) < 0) {
         goto done;
     }
-    if ((stride = PyObject_CallMethodNoArgs(t, nns_globals.str_stride)) == NULL ||
+    if ((stride = PyObject_CallMethodNoArgs(t, guard_env.str_stride)) == NULL ||
         put_int_sequence(key, stride) < 0) {
         goto done;
     }
-    if ((grad = PyObject_GetAttr(t, nns_globals.str_requires_grad)) == NULL ||
+    if ((grad = PyObject_GetAttr(t, guard_env.str_requires_grad)) == NULL ||
         put_tag(key, grad == Py_True ? TAG_TRUE : TAG_FALSE) < 0) {
         goto done;
     }
@@ -346,7 +346,7 @@ put_value(CallKey *key, PyObject *v, int depth)
         return put_tag(key, v == Py_True ? TAG_TRUE : TAG_FALSE);
     }
     PyTypeObject *type = Py_TYPE(v);
-    if (PyObject_TypeCheck(v, nns_globals.tensor_type)) {
+    if (PyObject_TypeCheck(v, guard_env.tensor_type)) {
         return put_tensor(key, v);
     }
     if (depth < MAX_DEPTH) {
@@ -399,7 +399,7 @@ put_value(CallKey *key, PyObject *v, int depth)
 int
 call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
 {
-    PyObject *grad = PyObject_CallNoArgs(nns_globals.is_grad_enabled);
+    PyObject *grad = PyObject_CallNoArgs(guard_env.is_grad_enabled);
     if (grad == NULL) {
         return -1;
     }

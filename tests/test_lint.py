@@ -25,6 +25,39 @@ def test_internal_cpython_headers_only_in_per_version_files():
     assert offenders == []
 
 
+def _code_only(text: str) -> str:
+    """C source without comments and string literals."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+
+
+def test_private_cpython_api_only_behind_the_compat_layer():
+    """CPython's private names (`_Py...`) and thread-state fields change between
+    minor versions: only compat.h and compat_*.c may touch them."""
+    private = re.compile(r"\b_Py[A-Za-z]\w*|\b(?:ts|tstate)->\w+")
+    offenders = {p.name: sorted(set(private.findall(_code_only(p.read_text()))))
+                 for p in C_FILES if not p.name.startswith("compat")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_private_api_check_sees_what_it_looks_for():
+    sample = "x = _PyType_Lookup(t, n); /* _PyNot in a comment */ y = ts->id; s = \"_PyStr\";"
+    found = re.findall(r"\b_Py[A-Za-z]\w*|\b(?:ts|tstate)->\w+", _code_only(sample))
+    assert found == ["_PyType_Lookup", "ts->id"]
+
+
+def test_guards_depend_only_on_their_own_headers_and_the_version_layer():
+    """Data flows one way (shim -> guards -> cache): guards/ includes its own
+    headers, guard_env.h's objects and compat.h, never the shim's headers."""
+    own = {p.name for p in (ROOT / "guards").glob("*.h")}
+    allowed = own | {"compat.h", "structmember.h"}
+    offenders = {p.name: bad for p in C_FILES if p.parent.name == "guards"
+                 for bad in [sorted(set(re.findall(r'#\s*include\s*"([^"]+)"', p.read_text()))
+                                    - allowed)] if bad}
+    assert offenders == {}
+
+
 def test_every_c_file_starts_with_a_comment_saying_what_it_is():
     for p in C_FILES:
         assert p.read_text().lstrip().startswith("/*"), p.name
