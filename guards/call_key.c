@@ -50,25 +50,36 @@ call_key_release(CallKey *key)
     Py_CLEAR(key->pins);
 }
 
+/* Room for `n` more bytes.  0, or -1 with MemoryError. */
+static int
+reserve(CallKey *key, size_t n)
+{
+    if (key->len + n <= key->cap) {
+        return 0;
+    }
+    size_t cap = key->cap * 2;
+    while (cap < key->len + n) {
+        cap *= 2;
+    }
+    unsigned char *data = PyMem_Malloc(cap);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(data, key->data, key->len);
+    if (key->data != key->inline_buf) {
+        PyMem_Free(key->data);
+    }
+    key->data = data;
+    key->cap = cap;
+    return 0;
+}
+
 static int
 put(CallKey *key, const void *bytes, size_t n)
 {
-    if (key->len + n > key->cap) {
-        size_t cap = key->cap * 2;
-        while (cap < key->len + n) {
-            cap *= 2;
-        }
-        unsigned char *data = PyMem_Malloc(cap);
-        if (data == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memcpy(data, key->data, key->len);
-        if (key->data != key->inline_buf) {
-            PyMem_Free(key->data);
-        }
-        key->data = data;
-        key->cap = cap;
+    if (reserve(key, n) < 0) {
+        return -1;
     }
     memcpy(key->data + key->len, bytes, n);
     key->len += n;
@@ -181,14 +192,24 @@ put_tensor(CallKey *key, PyObject *t)
     key->n_tensors++;
     NnsTensorMeta meta;
     if (nns_tensor_meta(t, &meta)) {
-        /* The fixed fields (scalar type .. ndim) are laid out without padding. */
-        size_t n = (size_t)meta.ndim * sizeof(int64_t);
-        if (put_tag(key, TAG_TENSOR_META) < 0 || put_ptr(key, Py_TYPE(t)) < 0 ||
-            pin(key, (PyObject *)Py_TYPE(t)) < 0 ||
-            put(key, &meta, offsetof(NnsTensorMeta, sizes)) < 0 ||
-            put(key, meta.sizes, n) < 0 || put(key, meta.strides, n) < 0) {
+        /* One record, written in place: tag, type, the fixed fields (scalar type ..
+         * ndim, laid out without padding), sizes, strides. */
+        const size_t head = offsetof(NnsTensorMeta, sizes);
+        const size_t n = (size_t)meta.ndim * sizeof(int64_t);
+        const void *type = Py_TYPE(t);
+        if (reserve(key, 1 + sizeof(type) + head + 2 * n) < 0 ||
+            pin(key, (PyObject *)Py_TYPE(t)) < 0) {
             goto done;
         }
+        unsigned char *p = key->data + key->len;
+        *p++ = TAG_TENSOR_META;
+        memcpy(p, &type, sizeof(type));
+        p += sizeof(type);
+        memcpy(p, &meta, head);
+        p += head;
+        memcpy(p, meta.sizes, n);
+        memcpy(p + n, meta.strides, n);
+        key->len += 1 + sizeof(type) + head + 2 * n;
         ret = 0;
         goto done;
     }
@@ -399,12 +420,20 @@ put_value(CallKey *key, PyObject *v, int depth)
 int
 call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
 {
-    PyObject *grad = PyObject_CallNoArgs(guard_env.is_grad_enabled);
-    if (grad == NULL) {
+    int grad_on = nns_grad_mode();
+    if (grad_on < 0) {   /* built without torch's headers */
+        PyObject *grad = PyObject_CallNoArgs(guard_env.is_grad_enabled);
+        if (grad == NULL) {
+            return -1;
+        }
+        grad_on = (grad == Py_True);
+        Py_DECREF(grad);
+    }
+    /* Most keys are a few tensors; many inputs would otherwise grow the buffer
+     * (and copy it) several times. */
+    if (n > 6 && reserve(key, 2 + (size_t)n * 80) < 0) {
         return -1;
     }
-    int grad_on = (grad == Py_True);
-    Py_DECREF(grad);
     if (put_tag(key, TAG_GRAD) < 0 || put_tag(key, grad_on ? TAG_TRUE : TAG_FALSE) < 0) {
         return -1;
     }

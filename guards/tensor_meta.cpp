@@ -4,8 +4,19 @@
 #include "tensor_meta.h"
 
 #ifndef NNS_NO_TORCH_HEADERS
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #endif
+
+extern "C" int
+nns_grad_mode(void)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    return -1;
+#else
+    return at::GradMode::is_enabled() ? 1 : 0;
+#endif
+}
 
 extern "C" int
 nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta)

@@ -33,6 +33,11 @@ typedef struct {
  * otherwise (the caller reads it through Python).  Runs no Python, never raises. */
 int nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta);
 
+/* torch's grad mode on this thread (at::GradMode): 1 or 0, or -1 when this build
+ * has no torch headers (the caller asks torch.is_grad_enabled()).  Runs no Python,
+ * never raises. */
+int nns_grad_mode(void);
+
 #ifdef __cplusplus
 }
 #endif
