@@ -229,8 +229,10 @@ static PyMemberDef module_call_members[] = {
 static PyObject *
 module_call_reduce(ModuleCall *self, PyObject *Py_UNUSED(ignored))
 {
-    /* copy.deepcopy / pickle of a compiled module: the copy is compiled with the
-     * same options (nnscaler_eval.compile_api re-installs on the copy). */
+    /* copy.deepcopy / pickle of the wrapper itself (not of a compiled module:
+     * nn.Module.__getstate__ drops _compiled_call_impl, so a copied module is plain,
+     * as with torch.compile).  A copied wrapper wraps the same module, with empty
+     * caches: buckets are not copied. */
     return Py_BuildValue("(O(OO))", Py_TYPE(self), self->module, self->config);
 }
 
