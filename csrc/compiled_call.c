@@ -9,7 +9,7 @@
  *   code as the capture target.
  */
 #include "compiled_call.h"
-#include "eval_frame.h"
+#include "arming.h"
 #include "nns_globals.h"
 #include "structmember.h"
 

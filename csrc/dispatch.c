@@ -17,7 +17,8 @@
 #include "cache_table.h"
 #include "frame_record.h"
 #include "call_key.h"
-#include "eval_frame.h"
+#include "arming.h"
+#include "frame_calls.h"
 #include "nns_globals.h"
 
 /* ------------------------------------------------------- buckets per config */
@@ -274,7 +275,7 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     }
     if (value == nns_globals.run_eagerly) {
         held->fallbacks++;
-        result = eval_frame_run_eagerly(ts, frame, cs);
+        result = frame_run_eagerly(ts, frame, cs);
     }
     else if (value == nns_globals.run_disarmed) {
         /* cache_size_limit reached: this call and everything it calls run as in
@@ -282,7 +283,7 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
         held->fallbacks++;
         ArmSaved disarmed;
         arm_push(&disarmed, nns_globals.rewrite_mode, NULL);
-        result = eval_frame_run_eagerly(ts, frame, cs);
+        result = frame_run_eagerly(ts, frame, cs);
         arm_pop(&disarmed);
     }
     else {
@@ -301,7 +302,7 @@ internal_error:
         result = Py_NewRef(PyTuple_GET_ITEM(reply, 0));
     }
     else {
-        result = eval_frame_run_eagerly(ts, frame, cs);
+        result = frame_run_eagerly(ts, frame, cs);
     }
 done:
     call_key_release(&key);
@@ -340,7 +341,7 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
         /* An argument type this forward cannot take as a graph input (recorded by
          * convert_frame with its reason): no key, no entry, callees intercepted. */
         bucket->fallbacks++;
-        result = eval_frame_run_eagerly(ts, frame, cs);
+        result = frame_run_eagerly(ts, frame, cs);
         goto done;
     }
     /* entries is NULL only if the self-collected callback ran out of memory */
@@ -366,7 +367,7 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
                 /* A recorded fallback: this key runs eagerly, its callees still
                  * intercepted. Counted as a fallback, not a hit. */
                 bucket->fallbacks++;
-                result = eval_frame_run_eagerly(ts, frame, cs);
+                result = frame_run_eagerly(ts, frame, cs);
             }
             else {
                 int stale;
@@ -375,7 +376,7 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
                 if (stale) {
                     bucket->hits--;
                     bucket->fallbacks++;
-                    result = eval_frame_run_eagerly(ts, frame, cs);
+                    result = frame_run_eagerly(ts, frame, cs);
                 }
             }
             goto done;
@@ -389,7 +390,7 @@ internal_error:
     if (nns_report_internal_error("computing the call key") < 0) {
         goto done;
     }
-    result = eval_frame_run_eagerly(ts, frame, cs);
+    result = frame_run_eagerly(ts, frame, cs);
 done:
     call_key_release(&key);
     Py_XDECREF(entry);

@@ -17,8 +17,4 @@
 PyObject *dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code,
                            CodeState *cs, PyObject *self, PyObject *config);
 
-/* From eval_frame.c: evaluate the frame (its rewritten code if any) with the
- * current region.  Runs Python (the frame). */
-PyObject *eval_frame_run_eagerly(PyThreadState *ts, NnsFrame *frame, CodeState *cs);
-
 #endif

@@ -8,6 +8,7 @@
 #include "code_state.h"
 #include "frame_record.h"
 #include "compat.h"
+#include "arming.h"
 #include "compiled_call.h"
 #include "eval_frame.h"
 #include "nns_globals.h"
@@ -252,7 +253,7 @@ py_clear_cache(PyObject *Py_UNUSED(module), PyObject *code)
 static PyObject *
 py_eval_frame_installed(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(eval_frame_installed());
+    return PyBool_FromLong(arm_hook_installed());
 }
 
 static PyObject *
@@ -264,7 +265,7 @@ py_is_default_eval_frame(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignore
 static PyObject *
 py_armed_threads(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
 {
-    return PyLong_FromSsize_t(eval_frame_armed_regions());
+    return PyLong_FromSsize_t(arm_open_regions());
 }
 
 static PyObject *

@@ -1,5 +1,6 @@
 """Source checks: version tests only in the compat files; C headers state ownership;
-nnscaler_eval does not import the public `nnscaler` package built on it."""
+the C files include each other one way; nnscaler_eval does not import the public
+`nnscaler` package built on it."""
 from __future__ import annotations
 
 import ast
@@ -56,6 +57,91 @@ def test_guards_depend_only_on_their_own_headers_and_the_version_layer():
                  for bad in [sorted(set(re.findall(r'#\s*include\s*"([^"]+)"', p.read_text()))
                                     - allowed)] if bad}
     assert offenders == {}
+
+
+# Headers with no source file of their own name: the version layer (compat.h, its
+# functions in compat_*.c) and the objects set once at install (nns_globals.h,
+# guard_env.h, filled by module.c).  Every file may use them; they are not nodes of
+# the graph below.  A new header without a same-named source must be added here.
+LAYER_HEADERS = {"compat.h", "nns_globals.h", "guard_env.h"}
+
+
+def _project_includes(path: pathlib.Path) -> set[str]:
+    return set(re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), re.M))
+
+
+def include_graph(files: dict[str, set[str]]) -> dict[str, set[str]]:
+    """File-level dependency graph of the sources in `files` ({file name: the names
+    in its #include "..." lines}, headers included): "X.c uses Y.h, which Y.c (or
+    Y.cpp) defines" is an edge X.c -> Y.c, through headers that include headers.
+    Headers without a same-named source (the layers) give no edge."""
+    sources = {name for name in files if name.endswith((".c", ".cpp"))}
+    defined_by = {name.rsplit(".", 1)[0] + ".h": name for name in sources}
+    graph = {}
+    for name in sources:
+        seen, todo = set(), list(files[name])
+        while todo:
+            header = todo.pop()
+            if header not in seen:
+                seen.add(header)
+                todo += files.get(header, ())
+        graph[name] = {defined_by[h] for h in seen if h in defined_by} - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of `graph` as [a, b, ..., a], or [] when it is acyclic."""
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def _c_include_graph() -> dict[str, set[str]]:
+    return include_graph({p.name: _project_includes(p) for p in C_FILES})
+
+
+def test_c_files_depend_on_each_other_one_way():
+    """Data flows one way (wrapper -> C shim -> guards -> cache -> backend): the
+    sources' includes of each other's headers form no cycle, module.c is the root
+    (nothing uses it but through the layer headers), and only module.c uses the
+    hook's file; arming depends on no other file."""
+    files = {p.name: _project_includes(p) for p in C_FILES}
+    headers = {name for name in files if name.endswith(".h")}
+    sources = {name.rsplit(".", 1)[0] for name in files if not name.endswith(".h")}
+    assert {h for h in headers if h[:-2] not in sources} == LAYER_HEADERS
+    graph = include_graph(files)
+    assert find_cycle(graph) == []
+    users = lambda target: sorted(n for n, deps in graph.items() if target in deps)
+    assert users("module.c") == []
+    assert users("eval_frame.c") == ["module.c"]
+    assert graph["arming.c"] == set()
+
+
+def test_the_include_graph_check_finds_cycles():
+    files = {"a.c": {"a.h", "b.h"}, "a.h": {"compat.h"}, "b.c": {"b.h", "c.h"},
+             "b.h": set(), "c.c": {"c.h", "d.h"}, "c.h": set(), "d.h": {"a.h"}}
+    graph = include_graph(files)
+    # c.c reaches a.h through d.h, a header without a source of its own
+    assert graph == {"a.c": {"b.c"}, "b.c": {"c.c"}, "c.c": {"a.c"}}
+    assert find_cycle(graph) == ["a.c", "b.c", "c.c", "a.c"]
+    files["d.h"] = set()
+    assert find_cycle(include_graph(files)) == []
 
 
 def test_every_c_file_starts_with_a_comment_saying_what_it_is():
