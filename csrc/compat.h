@@ -238,6 +238,24 @@ nns_thread_context_version(PyThreadState *ts)
     return ts->context_ver;
 }
 
+/* ---- the thread's recursion counter (used by recursion.c) ----
+ * The counter behind sys.getrecursionlimit(): 3.11 has one per thread
+ * (recursion_remaining) charged by Python frames and by C-level recursive calls
+ * alike; 3.12+ charge Python frames to py_recursion_remaining and C calls elsewhere
+ * (c_recursion_remaining on 3.12 and 3.13, a stack-pointer check on 3.14), so there
+ * it is a count of Python frames only.  Neither function ever raises; neither touches
+ * the limit itself (sys.getrecursionlimit() reads the same before and after). */
+/* Units of the limit this thread has in use now. */
+int nns_recursion_used(PyThreadState *ts);
+/* Moves this thread's counter by `units`: > 0 gives the thread that many more units
+ * before RecursionError, < 0 takes them back.  Every call is undone by its
+ * opposite on the same thread (recursion.c). */
+void nns_recursion_credit(PyThreadState *ts, int units);
+/* Units one call of a METH_NOARGS builtin charges to that counter while it runs:
+ * 1 on 3.11 (Objects/methodobject.c, cfunction_enter_call), 0 on 3.12+ (charged to
+ * the C counter, or not counted). */
+extern const int nns_recursion_builtin_call_units;
+
 /* ---- bytecode tables (filled per version) ---- */
 typedef struct {
     int cache_entries[256];   /* inline CACHE code units after each opcode */

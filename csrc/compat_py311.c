@@ -213,4 +213,21 @@ nns_code_entry_stack_depth(PyCodeObject *code)
     return (code->co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR)) ? 1 : 0;
 }
 
+/* Include/cpython/pystate.h (v3.11.7): recursion_remaining counts down from
+ * recursion_limit; Python frames (_Py_EnterRecursivePy) and C recursive calls
+ * (_Py_EnterRecursiveCallTstate) both charge it. */
+int
+nns_recursion_used(PyThreadState *ts)
+{
+    return ts->recursion_limit - ts->recursion_remaining;
+}
+
+void
+nns_recursion_credit(PyThreadState *ts, int units)
+{
+    ts->recursion_remaining += units;
+}
+
+const int nns_recursion_builtin_call_units = 1;
+
 #endif /* NNS_PY311 */

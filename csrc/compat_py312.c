@@ -246,4 +246,21 @@ nns_code_entry_stack_depth(PyCodeObject *code)
     return 1 - PyCompile_OpcodeStackEffect(RETURN_GENERATOR, 0);
 }
 
+/* Include/cpython/pystate.h (v3.12.7): py_recursion_remaining counts down from
+ * py_recursion_limit, charged by Python frames only (_Py_EnterRecursivePy); C calls
+ * charge c_recursion_remaining, which this never touches. */
+int
+nns_recursion_used(PyThreadState *ts)
+{
+    return ts->py_recursion_limit - ts->py_recursion_remaining;
+}
+
+void
+nns_recursion_credit(PyThreadState *ts, int units)
+{
+    ts->py_recursion_remaining += units;
+}
+
+const int nns_recursion_builtin_call_units = 0;
+
 #endif /* NNS_PY312 */

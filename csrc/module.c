@@ -12,6 +12,7 @@
 #include "compiled_call.h"
 #include "eval_frame.h"
 #include "nns_globals.h"
+#include "recursion.h"
 #include "rewrite.h"
 
 NnsGlobals nns_globals = {.code_extra_index = -1};
@@ -322,6 +323,18 @@ static PyMethodDef module_methods[] = {
      "record_functions_pause() -> token: stop noting functions until resumed."},
     {"record_functions_resume", frame_record_resume, METH_O,
      "record_functions_resume(token): note functions again."},
+    {"recursion_depth", recursion_depth, METH_NOARGS,
+     "recursion_depth() -> int: units of the recursion limit in use at the calling frame."},
+    {"call_at_depth", (PyCFunction)(void (*)(void))call_at_depth,
+     METH_FASTCALL | METH_KEYWORDS,
+     "call_at_depth(depth, fn, /, *args, **kwargs): fn(*args, **kwargs) with the\n"
+     "recursion budget of a call made from a frame at `depth` (csrc/recursion.h)."},
+    {"call_with_mode_replaced", (PyCFunction)(void (*)(void))call_with_mode_replaced,
+     METH_FASTCALL | METH_KEYWORDS,
+     "call_with_mode_replaced(mode, stand_in, fn, /, *args, **kwargs): fn(*args, **kwargs)\n"
+     "with torch function mode `mode` replaced by `stand_in` meanwhile if it is on top."},
+    {"_stack_room", recursion_stack_room, METH_NOARGS,
+     "_stack_room() -> (free, size): C stack bytes left here and the thread's stack size."},
     {NULL, NULL, 0, NULL},
 };
 

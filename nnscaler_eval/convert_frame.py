@@ -11,6 +11,7 @@ forward ran).  Exceptions raised by the user's forward propagate unchanged.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -75,8 +76,14 @@ def code_location(code: Any) -> str:
     return f"{code.co_qualname} at {code.co_filename}:{code.co_firstlineno}"
 
 
-def slot_call(fn: Callable[..., Any], code: Any, slots: tuple) -> Callable[[], Any]:
-    """A zero-argument callable that runs `fn` with the frame's slots rebound."""
+def slot_call(fn: Callable[..., Any], code: Any, slots: tuple,
+              depth: Optional[int] = None) -> Callable[[], Any]:
+    """A zero-argument callable that runs `fn` with the frame's slots rebound.
+
+    With `depth` (the recursion depth the frame was called at), `fn` runs with the
+    recursion budget it would have had there: the units of convert_frame and the
+    tracer in between are credited to this thread for the call (csrc/recursion.h).
+    No Python frame of its own: a partial of a C function."""
     npos, nkw = code.co_argcount, code.co_kwonlyargcount
     names = code.co_varnames
     pos = slots[:npos]
@@ -89,7 +96,7 @@ def slot_call(fn: Callable[..., Any], code: Any, slots: tuple) -> Callable[[], A
         index += 1
     if code.co_flags & inspect.CO_VARKEYWORDS:
         varkw = slots[index]
-    return lambda: fn(*pos, *varargs, **kwonly, **varkw)
+    return functools.partial(_C.call_at_depth, depth, fn, *pos, *varargs, **kwonly, **varkw)
 
 
 def _failing_guard(entry: Any) -> Optional[str]:
@@ -186,6 +193,10 @@ def _compile_runner(config: Any, capture: Any, code: Any,
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any) -> tuple[Any, Any]:
+    # C calls this in place of the intercepted frame: the frame that called the
+    # forward is one below this one, and the forward runs at its depth + 1, as in
+    # eager, however many frames of ours are on the stack by then.
+    caller_depth = _C.recursion_depth() - 1
     if isinstance(self, torch.fx.GraphModule):
         # Already a graph (a backend running or tracing its compiled graph): never
         # captured again, and not looked at again either.
@@ -200,13 +211,13 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
-        return _convert_frame_locked(config, fn, code, self, slots, bucket)
+        return _convert_frame_locked(config, fn, code, self, slots, bucket, caller_depth)
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)
 
 
 def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
-                          slots: tuple, bucket: Any) -> tuple[Any, Any]:
+                          slots: tuple, bucket: Any, caller_depth: int) -> tuple[Any, Any]:
     from nnscaler_eval import capture as tracer
 
     known_codes.add(code)
@@ -247,7 +258,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     recorder = state_guards.CodeRecorder()
     with recorder, compile_safe_paths():
         capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
-                                 call=slot_call(fn, code, slots))
+                                 call=slot_call(fn, code, slots, caller_depth))
     # The state walk serves value guards, which only entries with a graph get.
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())

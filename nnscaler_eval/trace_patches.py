@@ -51,7 +51,11 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
+from nnscaler_eval._C import call_at_depth as _call_at_depth
+from nnscaler_eval._C import call_with_mode_replaced as _call_with_mode_replaced
+from nnscaler_eval._C import recursion_depth as _recursion_depth
 from nnscaler_eval.compile_awareness import dynamo_is_compiling
 from nnscaler_eval.trace_state import current_tracer
 from nnscaler_eval.tracked_values import holds_tracked, plain_value, quiet_plain
@@ -133,11 +137,46 @@ def _tracing_tracer() -> Optional[Any]:
     return None
 
 
+class _PassThrough(TorchFunctionMode):
+    """What a trace's mode does while the trace is suspended or fell back: each op
+    runs with tracked values as plain ones, recording nothing.  Stands in for those
+    modes while such a trace calls a module (one instance for every trace, so nested
+    opaque calls stack one pass-through, not one per enclosing trace)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        return func(*quiet_plain(args), **quiet_plain(kwargs or {}))
+
+
+_PASS_THROUGH = _PassThrough()
+
+
+# Recursion budget: this wrapper stands where eager has nn.Module.__call__, and the
+# tracer adds frames of its own before it calls the real one (original_module_call).
+# The real one runs at this wrapper's depth, as in eager (csrc/recursion.h): the
+# depth is handed over per thread, to the original_module_call of the same module,
+# as (id(module), depth): one an interrupt leaves behind holds nothing alive, and is
+# never taken (every original_module_call follows a _module_call that set its own).
+_call_depth = threading.local()
+
+
 def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    tracer = _tracing_tracer()
-    if tracer is None:
+    if dynamo_is_compiling():            # Dynamo inlines this: plain Python only
         return _MODULE_CALL.saved(module, *args, **kwargs)
-    return tracer.on_module_call(module, args, kwargs)
+    depth = _recursion_depth() - 1      # the caller's: this frame stands for __call__'s
+    tracer = current_tracer()
+    if tracer is None:                  # another thread traces: a pass-through
+        return _call_at_depth(depth, _MODULE_CALL.saved, module, *args, **kwargs)
+    if not getattr(tracer, "recording", False):
+        # This thread's trace fell back or is suspended: its mode passes ops through.
+        return _call_with_mode_replaced(tracer, _PASS_THROUGH, _call_at_depth, depth,
+                                        _MODULE_CALL.saved, module, *args, **kwargs)
+    outer = getattr(_call_depth, "pending", None)
+    try:
+        _call_depth.pending = (id(module), depth)
+        return tracer.on_module_call(module, args, kwargs)
+    finally:
+        _call_depth.pending = outer
 
 
 def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
@@ -472,8 +511,17 @@ _PATCHES: tuple[_Patch, ...] = tuple(
 
 
 def original_module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """`nn.Module.__call__` as it was before tracing patched it."""
-    return _MODULE_CALL.saved(module, *args, **kwargs)
+    """`nn.Module.__call__` as it was before tracing patched it; called for the module
+    `_module_call` is handling, at that call's recursion depth (once)."""
+    pending = getattr(_call_depth, "pending", None)
+    if pending is None or pending[0] != id(module):
+        return _MODULE_CALL.saved(module, *args, **kwargs)
+    _call_depth.pending = None
+    tracer = current_tracer()
+    if tracer is not None and not getattr(tracer, "recording", False):   # suspended
+        return _call_with_mode_replaced(tracer, _PASS_THROUGH, _call_at_depth, pending[1],
+                                        _MODULE_CALL.saved, module, *args, **kwargs)
+    return _call_at_depth(pending[1], _MODULE_CALL.saved, module, *args, **kwargs)
 
 
 def install(owner: Any) -> None:

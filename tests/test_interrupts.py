@@ -24,7 +24,7 @@ CHILD_FLAG = "--interrupt-child"
 CALLS = 200
 
 
-def _child(calls: int, seed: int) -> dict:
+def _child(calls: int, seed: int, nested: bool = False) -> dict:
     import builtins
     import collections
     import gc
@@ -74,8 +74,16 @@ def _child(calls: int, seed: int) -> dict:
                 x = x * 2
             return self.head(x)
 
+    baseline: list[tuple[int, int]] = []
+
     def problems(model: nn.Module) -> list[str]:
         found = []
+        # Called from the same frame every time: the same depth, the same limit
+        # (credit given to nested captures' user code all given back).
+        depth = (_C.recursion_depth(), sys.getrecursionlimit())
+        baseline[:] = baseline or [depth]
+        if depth != baseline[0]:
+            found.append(f"recursion depth/limit {depth}, before {baseline[0]}")
         if trace_patches.patched():
             found.append(f"patched: {trace_patches.patched()}")
         if trace_patches.active_traces():
@@ -146,6 +154,12 @@ def _child(calls: int, seed: int) -> dict:
         reference.load_state_dict(model.state_dict())
         reference.train(model.training)
         nnscaler.compile(model)
+        if nested:
+            # Each block its own capture, nested in the model's (an opaque call: hooks).
+            for block, twin in zip(model.blocks, reference.blocks):
+                for m in (block, twin):
+                    m.register_forward_hook(lambda mod, inputs, out: None)
+                nnscaler.compile(block)
         delay = rng.uniform(1e-6, span * 1.2)
         try:
             signal.setitimer(signal.ITIMER_REAL, delay)
@@ -216,10 +230,11 @@ def _child(calls: int, seed: int) -> dict:
     }
 
 
-def test_interrupts_anywhere_in_first_calls_leave_nothing_behind():
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_interrupts_anywhere_in_first_calls_leave_nothing_behind(nested):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, __file__, CHILD_FLAG, str(CALLS), "1234"],
+        [sys.executable, __file__, CHILD_FLAG, str(CALLS), "1234", str(int(nested))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -240,6 +255,6 @@ def test_interrupts_anywhere_in_first_calls_leave_nothing_behind():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == [CHILD_FLAG]:
-    result = _child(int(sys.argv[2]), int(sys.argv[3]))
+    result = _child(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))
     sys.stdout.flush()
     print(json.dumps(result))
