@@ -6,10 +6,12 @@
  *       the bucket, the entry and the config are held across it.
  *       The owner is `self` for a module forward, the frame's function object for
  *       a compiled function (held weakly by the bucket, as `self` is).
- * Miss: convert_frame(config, fn, code, self, slots, bucket) in Python, with the hook
- *       suspended for this thread; it runs the forward once for real (its result is
- *       the call's result) and returns (result, CacheEntry or None), or
- *       (run_eagerly, None) to have the frame evaluated here.
+ * Miss: convert_frame(config, fn, code, self, slots, bucket, key) in Python, with the
+ *       hook suspended for this thread; it runs the forward once for real (its result
+ *       is the call's result) and returns (result, CacheEntry or None), or
+ *       (run_eagerly, None) to have the frame evaluated here.  `key` is the call key
+ *       (a CallKey: convert_frame describes it with describe_call_key), built once:
+ *       the lookup's when it is still good (handle_miss), and stored with the entry.
  */
 #include "dispatch.h"
 #include "frameobject.h"
@@ -194,23 +196,35 @@ capture_state_restore(CaptureThreadState *state)
 /* A target frame with no valid entry: convert_frame captures it (or says to run
  * it eagerly).  `self` (borrowed from the frame) is the module or NULL, `owner`
  * (borrowed from the frame) the bucket's owner, `config` and `bucket` (bucket may
- * be NULL) are held by the caller.  Runs Python. */
+ * be NULL) are held by the caller.  `built` is the key dispatch_capture built for
+ * the lookup, to be taken over, or NULL: build it here.  Runs Python. */
 static PyObject *
 handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *cs,
             PyObject *self, PyObject *owner, PyObject *config, CacheBucket *bucket,
-            Py_ssize_t n)
+            Py_ssize_t n, CallKey *built)
 {
     PyObject *result = NULL;
     /* owned */
     PyObject *fn = NULL, *slot_tuple = NULL, *reply = NULL;
     CacheTable *table = NULL;
     CacheBucket *held = NULL;
+    CallKeyObject *key = NULL;
     /* borrowed: the frame's own, stable until it returns */
     PyObject **slots = nns_frame_localsplus(frame);
     Py_ssize_t skip = self != NULL;
-    CallKey key;
-    call_key_init(&key, 1);
 
+    if (built != NULL) {
+        /* The key is built once.  The lookup's was built from these slots, and no
+         * code ran since its build began (no CALL_KEY_RAN_PYTHON: no tensor-subclass
+         * getter, no container snapshot and so no GC, no guard check, no bucket
+         * change), so it still describes the arguments, and every address in it is
+         * still the object the build read there.  It gets the pins a stored key needs
+         * first, before anything here allocates a Python object (the GC could run
+         * finalizers); what runs after that is as after a build here. */
+        if (call_key_pin_from_bytes(built) < 0) {
+            goto internal_error;
+        }
+    }
     if (bucket != NULL) {
         held = (CacheBucket *)Py_NewRef(bucket);   /* convert_frame may reset() */
     }
@@ -219,7 +233,13 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
         goto internal_error;
     }
     held->misses++;
-    if (call_key_build(&key, slots + skip, n - skip) < 0) {
+    if ((key = call_key_object_new()) == NULL) {
+        goto internal_error;
+    }
+    if (built != NULL) {
+        call_key_move(&key->key, built);
+    }
+    else if (call_key_build(&key->key, slots + skip, n - skip) < 0) {
         goto internal_error;
     }
     PyObject *func = nns_frame_function(frame);
@@ -247,8 +267,8 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     capture_state_save(&before);
     arm_push(&suspended, nns_globals.rewrite_mode, NULL);
     PyObject *callargs[] = {config, fn, (PyObject *)code, self ? self : Py_None,
-                            slot_tuple, (PyObject *)held};
-    reply = PyObject_Vectorcall(nns_globals.convert_frame, callargs, 6, NULL);
+                            slot_tuple, (PyObject *)held, (PyObject *)key};
+    reply = PyObject_Vectorcall(nns_globals.convert_frame, callargs, 7, NULL);
     arm_pop(&suspended);
     capture_state_restore(&before);
     if (reply == NULL) {
@@ -269,7 +289,7 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
             goto internal_error;
         }
         /* If a reset() dropped the bucket meanwhile, the entry goes with it. */
-        if (cache_insert(held, (CacheEntry *)entry, &key) < 0) {
+        if (cache_insert(held, (CacheEntry *)entry, &key->key) < 0) {
             goto internal_error;
         }
     }
@@ -305,7 +325,7 @@ internal_error:
         result = frame_run_eagerly(ts, frame, cs);
     }
 done:
-    call_key_release(&key);
+    Py_XDECREF(key);
     Py_XDECREF(fn);
     Py_XDECREF(slot_tuple);
     Py_XDECREF(reply);
@@ -353,6 +373,7 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
             goto internal_error;
         }
         if (find_bucket(cs, config, owner) != bucket) {
+            key.flags |= CALL_KEY_RAN_PYTHON;   /* something reset() or replaced it */
             Py_CLEAR(bucket);
         }
         else {
@@ -382,8 +403,13 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
             goto done;
         }
     }
-    call_key_release(&key);
-    result = handle_miss(ts, frame, code, cs, self, owner, held_config, bucket, n);
+    /* A miss.  The key built for the lookup is this call's key unless code ran
+     * since its build began (see handle_miss). */
+    CallKey *built = key.len > 0 && !(key.flags & CALL_KEY_RAN_PYTHON) ? &key : NULL;
+    if (built == NULL) {
+        call_key_release(&key);
+    }
+    result = handle_miss(ts, frame, code, cs, self, owner, held_config, bucket, n, built);
     goto done;
 
 internal_error:

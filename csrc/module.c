@@ -313,6 +313,10 @@ static PyMethodDef module_methods[] = {
      "Number of armed regions open now (0: the evaluator is uninstalled)."},
     {"current_config", py_current_config, METH_NOARGS, "This thread's config, or None."},
     {"dict_version", py_dict_version, METH_O, "The version tag of a dict (guards compare it)."},
+    {"describe_call_key", (PyCFunction)(void (*)(void))cache_describe_call_key,
+     METH_FASTCALL | METH_KEYWORDS,
+     "describe_call_key(key, names=None) -> tuple of str: a CallKey or a stored CacheEntry's\n"
+     "key in words, decoded from the bytes the hit path compares (no Python runs)."},
     {"dict_clock", py_dict_clock, METH_NOARGS,
      "A number that moves when any dict a guard watches changes (3.12+; 0 on 3.11)."},
     {"record_functions_start", frame_record_start, METH_NOARGS,
@@ -387,6 +391,7 @@ module_exec(PyObject *module)
     if (add_type(module, &CacheEntry_Type, "CacheEntry") < 0 ||
         add_type(module, &CacheBucket_Type, "CacheBucket") < 0 ||
         add_type(module, &CacheTable_Type, "CacheTable") < 0 ||
+        add_type(module, &CallKey_Type, "CallKey") < 0 ||
         add_type(module, &ModuleCall_Type, "ModuleCall") < 0 ||
         add_type(module, &CompiledFunction_Type, "CompiledFunction") < 0 ||
         eval_frame_init(module) < 0) {

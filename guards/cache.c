@@ -348,6 +348,67 @@ entry_get_n_guards(CacheEntry *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(self->n_dicts + self->n_flags + self->n_values);
 }
 
+static PyObject *
+entry_describe_key(CacheEntry *self, PyObject *names)
+{
+    if (self->key == NULL) {
+        PyErr_SetString(PyExc_ValueError, "nnscaler: this CacheEntry has not been stored: no key");
+        return NULL;
+    }
+    return call_key_describe(self->key, self->key_len, self->pins, names);
+}
+
+static PyObject *
+entry_get_key_description(CacheEntry *self, void *Py_UNUSED(closure))
+{
+    return entry_describe_key(self, NULL);
+}
+
+PyObject *
+cache_describe_call_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs,
+                        PyObject *kwnames)
+{
+    static const char usage[] = "describe_call_key(key, names=None)";
+    PyObject *key = NULL, *names = Py_None;
+    Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw < 1 || nargs + nkw > 2 || nargs < 1) {
+        PyErr_Format(PyExc_TypeError, "%s takes 1 or 2 arguments", usage);
+        return NULL;
+    }
+    key = args[0];
+    if (nargs == 2) {
+        names = args[1];
+    }
+    else if (nkw == 1) {
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(kwnames, 0)) ||
+            PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "names") != 0) {
+            PyErr_Format(PyExc_TypeError, "%s: unexpected keyword argument", usage);
+            return NULL;
+        }
+        names = args[1];
+    }
+    PyObject *tuple = NULL;   /* owned */
+    if (names != Py_None) {
+        if ((tuple = PySequence_Tuple(names)) == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *result = NULL;
+    if (PyObject_TypeCheck(key, &CacheEntry_Type)) {
+        result = entry_describe_key((CacheEntry *)key, tuple);
+    }
+    else if (PyObject_TypeCheck(key, &CallKey_Type)) {
+        CallKey *k = &((CallKeyObject *)key)->key;
+        result = call_key_describe(k->data, k->len, k->pins, tuple);
+    }
+    else {
+        PyErr_Format(PyExc_TypeError, "%s: key must be a CallKey or a CacheEntry, not %.100s",
+                     usage, Py_TYPE(key)->tp_name);
+    }
+    Py_XDECREF(tuple);
+    return result;
+}
+
 static PyMethodDef entry_methods[] = {
     {"check_verbose", (PyCFunction)entry_check_verbose, METH_NOARGS, check_verbose_doc},
     {NULL, NULL, 0, NULL},
@@ -366,6 +427,8 @@ static PyGetSetDef entry_getset[] = {
     {"runner", (getter)entry_get_runner, NULL, "the callable run on a hit, or None", NULL},
     {"key_hash", (getter)entry_get_key_hash, NULL, "XXH3 hash of the call key", NULL},
     {"n_state_guards", (getter)entry_get_n_guards, NULL, "number of state guards", NULL},
+    {"key_description", (getter)entry_get_key_description, NULL,
+     "the stored call key in words (describe_call_key(entry))", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -674,7 +737,7 @@ cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssize_t
 }
 
 CacheEntry *
-cache_lookup(CacheBucket *bucket, const CallKey *key)
+cache_lookup(CacheBucket *bucket, CallKey *key)
 {
     CacheEntry *found = NULL;
     PyObject *entries = bucket->entries;   /* owned below: checks may run Python */
@@ -705,6 +768,9 @@ cache_lookup(CacheBucket *bucket, const CallKey *key)
             Py_DECREF(e);   /* the list still holds it */
             break;
         }
+        /* Not a hit, and the check may have run Python (a `training` property, a
+         * value guard): the key is not known to describe the arguments any more. */
+        key->flags |= CALL_KEY_RAN_PYTHON;
         if (ok < 0 && at >= 0) {
             remember_dropped(bucket, e, failed);
             /* Stale for good. Dropping it runs no Python that reaches this list:
@@ -734,7 +800,7 @@ cache_lookup(CacheBucket *bucket, const CallKey *key)
 }
 
 int
-cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key)
+cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key)
 {
     if (bucket->dead) {
         return 0;   /* reset() (or the owner's death) retired it during the capture */
@@ -760,8 +826,7 @@ cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key)
     entry->key = data;
     entry->key_len = key->len;
     entry->key_hash = key->hash;
-    entry->pins = key->pins;     /* moved */
-    key->pins = NULL;
+    entry->pins = Py_XNewRef(key->pins);
     if (entry->runner != NULL) {
         bucket->captures++;
     }

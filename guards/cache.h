@@ -97,12 +97,19 @@ int cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssi
 
 /* Borrowed entry whose key equals `key` and whose guards hold, or NULL.  Stale
  * entries met on the way are removed.  Never raises.  May run Python (value guards):
- * the caller owns a reference to `bucket`; the entry returned is still in its list. */
-CacheEntry *cache_lookup(CacheBucket *bucket, const CallKey *key);
+ * the caller owns a reference to `bucket`; the entry returned is still in its list.
+ * When it returns NULL after checking the guards of an entry with this key, it sets
+ * CALL_KEY_RAN_PYTHON on `key` (the miss path then builds the key again). */
+CacheEntry *cache_lookup(CacheBucket *bucket, CallKey *key);
 
-/* Store `entry` under `key` (its data and pins move into the entry; `key` is left
- * empty).  A dead bucket (reset() during the capture) stores nothing.  0 / -1. */
-int cache_insert(CacheBucket *bucket, CacheEntry *entry, CallKey *key);
+/* Store `entry` under `key` (a copy of its bytes, and a reference to its pins).  A
+ * dead bucket (reset() during the capture) stores nothing.  0 / -1. */
+int cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key);
+
+/* describe_call_key(key, names=None): see call_key_describe; `key` a CallKey or a
+ * stored CacheEntry. */
+PyObject *cache_describe_call_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames);
 
 /* Module-level read of a module's training flag, normalised to Py_True/Py_False.
  * Borrowed result; NULL with an exception set on error. */

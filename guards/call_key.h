@@ -9,6 +9,9 @@
  * object, its identity (see pin() in call_key.c).  Hashed with XXH3; a hit compares the stored
  * bytes in full.  The identity of `self` is not in the key: entries are grouped per
  * `self` in a CacheBucket.
+ *
+ * One encoding, one description: logs and explain() show call_key_describe() of
+ * these bytes (the encoding's only decoder), so what they show is what a hit compares.
  */
 #ifndef NNSCALER_CALL_KEY_H
 #define NNSCALER_CALL_KEY_H
@@ -18,24 +21,67 @@
 #define CALL_KEY_INLINE 512
 #define CALL_KEY_MAX_ALIAS 64   /* tensors tracked for aliasing in one key */
 
+/* CallKey.flags */
+#define CALL_KEY_PINS 1         /* collect pins while building: the key will be stored */
+#define CALL_KEY_RAN_PYTHON 2   /* code beyond this file's may have run since the build
+                                   began (a tensor subclass's getters, a container
+                                   snapshot's allocation and so the GC, a guard check in
+                                   cache_lookup): the key may no longer describe the
+                                   arguments, nor its addresses name live objects */
+
 typedef struct {
     unsigned char *data;        /* points at inline_buf or a PyMem block */
     size_t len, cap;
     uint64_t hash;
     PyObject *pins;             /* owned list or NULL: objects keyed by identity */
-    int collect_pins;           /* set before building a key that will be stored */
+    int flags;                  /* CALL_KEY_PINS, CALL_KEY_RAN_PYTHON */
     Py_ssize_t n_tensors;       /* tensors put so far */
     void *tensors[CALL_KEY_MAX_ALIAS];   /* their addresses (alias detection only) */
     unsigned char inline_buf[CALL_KEY_INLINE];
 } CallKey;
 
-void call_key_init(CallKey *key, int collect_pins);
+/* `flags`: CALL_KEY_PINS for a key that will be stored, else 0. */
+void call_key_init(CallKey *key, int flags);
 void call_key_release(CallKey *key);
 
 /* Encode `values[0..n)` (borrowed; the caller keeps them alive) and hash. 0, or -1
  * with an exception set.  May run Python: tensor attribute getters (tensor
- * subclasses), hashes of torch.device; containers are walked through owned
- * snapshots, so such code cannot free what the walk holds. */
+ * subclasses), conversions of int subclasses, the GC on allocating container
+ * snapshots; wherever it may, it sets CALL_KEY_RAN_PYTHON.  Containers are walked
+ * through owned snapshots, so such code cannot free what the walk holds. */
 int call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n);
+
+/* Move `src` (built) into `dst` (initialised, empty; its CALL_KEY_PINS is kept);
+ * `src` is left empty. */
+void call_key_move(CallKey *dst, CallKey *src);
+
+/* Give a key built without CALL_KEY_PINS the pins a build with it would have
+ * collected, read from its own bytes: the addresses it names are pinned in order.
+ * Only sound when no code ran since the build began (CALL_KEY_RAN_PYTHON unset):
+ * then every object the key names is still the one reachable from the arguments, at
+ * that address.  0, or -1 with an exception set.  Runs no Python before it holds
+ * every object it pins (the pins' allocation may run the GC). */
+int call_key_pin_from_bytes(CallKey *key);
+
+/* The key in words, decoded from the bytes the hit path compares: a tuple of str,
+ * "grad_mode: True" and then one line per argument value, "name: description" with
+ * `names` (a tuple of str, borrowed, or NULL: "#i: ...").  Addresses the key pins are
+ * named through `pins` (borrowed list or NULL); nothing else is dereferenced.  Runs no
+ * Python code: no attribute of any argument is read.  NULL with an exception set. */
+PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pins,
+                            PyObject *names);
+
+/* nnscaler_eval._C.CallKey: the key of one miss, made by the miss path (dispatch.c)
+ * and handed to convert_frame, which describes it; then stored with the entry.
+ * CallKey(*values) from Python builds the key of those values (tests, tools). */
+typedef struct {
+    PyObject_HEAD
+    CallKey key;
+} CallKeyObject;
+
+extern PyTypeObject CallKey_Type;
+
+/* A new, empty CallKey object whose key collects pins.  NULL with an exception set. */
+CallKeyObject *call_key_object_new(void);
 
 #endif

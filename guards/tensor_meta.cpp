@@ -64,3 +64,91 @@ nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta)
     }
 #endif
 }
+
+#ifndef NNS_NO_TORCH_HEADERS
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Dtype.h>
+#include <cstring>
+#endif
+
+extern "C" int32_t
+nns_dtype_scalar_type(PyObject *obj)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)obj;
+    return -1;
+#else
+    if (!THPDtype_Check(obj)) {
+        return -1;
+    }
+    return static_cast<int32_t>(reinterpret_cast<THPDtype *>(obj)->scalar_type);
+#endif
+}
+
+extern "C" int
+nns_device_parts(PyObject *obj, int16_t *type, int16_t *index)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)obj;
+    (void)type;
+    (void)index;
+    return 0;
+#else
+    if (!THPDevice_Check(obj)) {
+        return 0;
+    }
+    const c10::Device &device = reinterpret_cast<THPDevice *>(obj)->device;
+    *type = static_cast<int16_t>(device.type());
+    *index = static_cast<int16_t>(device.index());
+    return 1;
+#endif
+}
+
+extern "C" const char *
+nns_scalar_type_name(int32_t scalar_type)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)scalar_type;
+    return nullptr;
+#else
+    if (scalar_type < 0 || scalar_type >= static_cast<int32_t>(c10::ScalarType::NumOptions)) {
+        return nullptr;
+    }
+    try {
+        /* torch's own dtype objects live as long as the process: their name too */
+        THPDtype *dtype = torch::getTHPDtype(static_cast<c10::ScalarType>(scalar_type));
+        return dtype != nullptr ? dtype->name : nullptr;
+    }
+    catch (...) {
+        return nullptr;
+    }
+#endif
+}
+
+extern "C" int
+nns_device_name(int16_t type, int16_t index, char *buf, size_t size)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)type;
+    (void)index;
+    (void)buf;
+    (void)size;
+    return 0;
+#else
+    if (size == 0 || type < 0 ||
+        type >= static_cast<int16_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)) {
+        return 0;
+    }
+    try {
+        const std::string name = c10::Device(static_cast<c10::DeviceType>(type),
+                                              static_cast<c10::DeviceIndex>(index)).str();
+        std::strncpy(buf, name.c_str(), size - 1);
+        buf[size - 1] = '\0';
+        return 1;
+    }
+    catch (...) {
+        return 0;
+    }
+#endif
+}

@@ -38,6 +38,20 @@ int nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta);
  * never raises. */
 int nns_grad_mode(void);
 
+/* The c10::ScalarType of a torch.dtype object, or -1 when `obj` is not one (or the
+ * build has no torch headers).  Runs no Python, never raises. */
+int32_t nns_dtype_scalar_type(PyObject *obj);
+
+/* 1 with *type and *index set (c10::DeviceType, c10::DeviceIndex) when `obj` is a
+ * torch.device; 0 otherwise (or without torch headers).  Runs no Python, never raises. */
+int nns_device_parts(PyObject *obj, int16_t *type, int16_t *index);
+
+/* For describing a key (call_key_describe): the name torch gives a scalar type
+ * ("float32"), or NULL; a device as torch prints it ("cpu", "cuda:0") into `buf`, 1 on
+ * success, 0 when the pair is not a device torch knows.  Run no Python, never raise. */
+const char *nns_scalar_type_name(int32_t scalar_type);
+int nns_device_name(int16_t type, int16_t index, char *buf, size_t size);
+
 #ifdef __cplusplus
 }
 #endif

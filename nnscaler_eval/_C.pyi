@@ -12,10 +12,16 @@ class CacheEntry:
     key_hash: int
     n_state_guards: int
     clean_clock: int
+    key_description: tuple[str, ...]
     def __init__(self, runner: Optional[Callable[..., Any]], training_modules: Sequence[Any],
                  dict_guards: Sequence[dict], flag_guards: Sequence[tuple[Any, bool]],
                  guard_names: Sequence[str], info: Any) -> None: ...
     def check_verbose(self) -> Optional[str]: ...
+
+class CallKey:
+    """The per-call key of argument values (C builds it on a miss for convert_frame)."""
+    hash: int
+    def __init__(self, *values: Any) -> None: ...
 
 class CacheBucket:
     misses: int
@@ -68,3 +74,5 @@ def call_at_depth(depth: Optional[int], fn: Callable[..., Any], /, *args: Any,
 def call_with_mode_replaced(mode: Any, stand_in: Any, fn: Callable[..., Any], /, *args: Any,
                             **kwargs: Any) -> Any: ...
 def _stack_room() -> tuple[int, int]: ...
+def describe_call_key(key: CallKey | CacheEntry,
+                      names: Optional[Sequence[str]] = ...) -> tuple[str, ...]: ...

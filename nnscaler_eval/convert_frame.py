@@ -1,13 +1,16 @@
 """The miss path: what happens, in Python, when the C evaluator finds no valid cache
 entry for a target frame.
 
-C calls `convert_frame(config, fn, code, self, slots, bucket)` with its hook
+C calls `convert_frame(config, fn, code, self, slots, bucket, key)` with its hook
 suspended for this thread.  `fn` runs the frame's (rewritten) code; `slots` are the
-frame's bound arguments.  This runs the forward once under the capture tracer (its
-result *is* the call's result: side effects happen once), builds the guards and the
-runner, and returns `(result, CacheEntry)`; or `(RUN_EAGERLY, None)` to have C
-evaluate the frame as it is (cache limit reached, or our own failure before the
-forward ran).  Exceptions raised by the user's forward propagate unchanged.
+frame's bound arguments; `key` is the call key C built for them (a `_C.CallKey`, stored
+with the entry this returns), described here only through `_C.describe_call_key`, so
+that logs and `explain()` show the bytes the hit path compares.  This runs the forward
+once under the capture tracer (its result *is* the call's result: side effects happen
+once), builds the guards and the runner, and returns `(result, CacheEntry)`; or
+`(RUN_EAGERLY, None)` to have C evaluate the frame as it is (cache limit reached, or
+our own failure before the forward ran).  Exceptions raised by the user's forward
+propagate unchanged.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from nnscaler_eval import _C, logs, state_guards, trace_state
 from nnscaler_eval.compile_awareness import compile_safe_paths
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.fx_source import release_source_with
-from nnscaler_eval.guard_builder import ReadContext, build_state_guards, describe_key, walk_state
+from nnscaler_eval.guard_builder import ReadContext, build_state_guards, walk_state
 
 # Code objects that own cache buckets, for reset().
 known_codes: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -39,7 +42,7 @@ _local = threading.local()
 class EntryInfo:
     """What `explain()` and the logs show of one cache entry."""
     where: str                         # "Model.forward at file:line"
-    key: list[str]                     # the per-call key, in words
+    key: list[str]                     # the per-call key in words (_C.describe_call_key)
     guards: list[str]                  # state guards, in words
     graph_module: Optional[torch.fx.GraphModule]
     fallback: Any                      # tracer.Fallback or None
@@ -192,7 +195,7 @@ def _compile_runner(config: Any, capture: Any, code: Any,
 
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
-                  slots: tuple, bucket: Any) -> tuple[Any, Any]:
+                  slots: tuple, bucket: Any, call_key: Any) -> tuple[Any, Any]:
     # C calls this in place of the intercepted frame: the frame that called the
     # forward is one below this one, and the forward runs at its depth + 1, as in
     # eager, however many frames of ours are on the stack by then.
@@ -211,22 +214,26 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
-        return _convert_frame_locked(config, fn, code, self, slots, bucket, caller_depth)
+        return _convert_frame_locked(config, fn, code, self, slots, bucket, call_key,
+                                     caller_depth)
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)
 
 
 def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
-                          slots: tuple, bucket: Any, caller_depth: int) -> tuple[Any, Any]:
+                          slots: tuple, bucket: Any, call_key: Any,
+                          caller_depth: int) -> tuple[Any, Any]:
     from nnscaler_eval import capture as tracer
 
     known_codes.add(code)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
+    first = 1 if self is not None else 0
     try:
         if _over_limit(config, code, bucket):
             return RUN_DISARMED, None
-        key = describe_key(slot_names, slots, self is not None)
+        # The key in words, from its bytes (C): what a later call must equal to hit.
+        key = list(_C.describe_call_key(call_key, slot_names[first:]))
         _log_recapture(code, bucket, key)
     except Warning:
         raise
@@ -235,7 +242,6 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                      "running it eagerly")
         return RUN_EAGERLY, None
 
-    first = 1 if self is not None else 0
     early = (tracer.input_fallback(fn, slots[first:], slot_names[first:])
              or _mutated_before(code, slot_names[first:], slots[first:]))
     if early is not None:

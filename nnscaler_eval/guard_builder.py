@@ -144,27 +144,3 @@ def _add_value_guards(guards: StateGuards, reads: ReadContext) -> None:
     guards.names += ["global torch state (autocast, default dtype, deterministic "
                      "algorithms, inference mode, ...)", *reads.found.names]
     guards.not_guarded = reads.found.truncated
-
-def describe_value(value: Any, depth: int = 0) -> str:
-    """What the per-call key records of one argument, in words (for logs/explain)."""
-    if isinstance(value, torch.Tensor):
-        return (f"{type(value).__name__}({str(value.dtype).replace('torch.', '')}, "
-                f"{value.device}, shape={tuple(value.shape)}, stride={value.stride()}, "
-                f"requires_grad={value.requires_grad})")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    if depth < 8 and type(value) in (tuple, list):
-        inner = ", ".join(describe_value(v, depth + 1) for v in value)
-        return f"({inner})" if type(value) is tuple else f"[{inner}]"
-    if depth < 8 and type(value) is dict:
-        inner = ", ".join(f"{k!r}: {describe_value(v, depth + 1)}" for k, v in value.items())
-        return "{" + inner + "}"
-    return f"<{type(value).__name__} object at {id(value):#x}>"
-
-
-def describe_key(slot_names: tuple[str, ...], slots: tuple, skip_self: bool) -> list[str]:
-    first = 1 if skip_self else 0
-    lines = [f"grad_mode: {torch.is_grad_enabled()}"]
-    lines += [f"{name}: {describe_value(value)}"
-              for name, value in zip(slot_names[first:], slots[first:])]
-    return lines

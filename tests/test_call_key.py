@@ -130,3 +130,285 @@ def test_resize_in_place_between_calls_is_a_miss():
     torch.testing.assert_close(g(x), torch.full((3,), 2.0))
     x.resize_(4, 3).fill_(1.0)
     torch.testing.assert_close(g(x), torch.full((3,), 4.0))
+
+
+# --------------------------------------------------------------------------------
+# The key in words: _C.describe_call_key decodes the bytes the hit path compares
+# (guards/call_key.c), the only description of the key logs and explain() show.
+
+import gc
+
+from nnscaler_eval import _C
+from nnscaler_eval.explain import _buckets
+
+
+class Foo:
+    pass
+
+
+class NoWeakref:
+    """Not weakly referenceable: the stored key holds it strongly."""
+    __slots__ = ()
+
+
+class Plain(torch.Tensor):
+    pass
+
+
+def _entries(g):
+    return [e for bucket in _buckets(g) for e in bucket.entries]
+
+
+def _only_entry(g):
+    entries = _entries(g)
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+def _many(x, t, bf, i64, flag, zero, expanded, meta, p, sub, n, fl, b, s, none, size,
+          npf, npi, npb, tup, lst, d, obj, strong, big, dev, same, *rest, **kw):
+    return x + 1
+
+
+def test_description_matches_the_arguments():
+    np = pytest.importorskip("numpy")
+    x = torch.zeros(2, 8)
+    t = torch.zeros(3, 4, dtype=torch.float64).t()
+    foo, strong, big = Foo(), NoWeakref(), 2 ** 70
+    args = (x, t, torch.zeros(2, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.bool), torch.tensor(3.0), torch.zeros(4).expand(3, 4),
+            torch.empty(2, 3, device="meta"), nn.Parameter(torch.zeros(3)),
+            torch.ones(2).as_subclass(ShapeLies), 3, 1.5, True, "hi", None,
+            torch.Size([2, 3]), np.float64(2.0), np.int32(-7), np.bool_(True),
+            (1, (2.5, "a")), [x, 2], {"k": t, 3: None}, foo, strong, big,
+            torch.device("cpu"), x, "extra")
+    g = nnscaler.compile(_many)
+    g(*args, key=[1.0])
+    entry = _only_entry(g)
+    names = _many.__code__.co_varnames[:_many.__code__.co_argcount + 2]
+    got = _C.describe_call_key(entry, names)
+    assert list(got) == [
+        "grad_mode: True",
+        "x: Tensor(float32, cpu, shape=(2, 8), stride=(8, 1), requires_grad=False)",
+        "t: Tensor(float64, cpu, shape=(4, 3), stride=(1, 4), requires_grad=False)",
+        "bf: Tensor(bfloat16, cpu, shape=(2,), stride=(1,), requires_grad=False)",
+        "i64: Tensor(int64, cpu, shape=(5,), stride=(1,), requires_grad=False)",
+        "flag: Tensor(bool, cpu, shape=(1,), stride=(1,), requires_grad=False)",
+        "zero: Tensor(float32, cpu, shape=(), stride=(), requires_grad=False)",
+        "expanded: Tensor(float32, cpu, shape=(3, 4), stride=(0, 1), requires_grad=False)",
+        "meta: Tensor(float32, meta, shape=(2, 3), stride=(3, 1), requires_grad=False)",
+        "p: Parameter(float32, cpu, shape=(3,), stride=(1,), requires_grad=True)",
+        # the Python-visible shape: what the key reads, and so what a hit compares
+        "sub: ShapeLies(float32, cpu, shape=(99,), stride=(1,), requires_grad=False)",
+        "n: 3",
+        "fl: 1.5",
+        "b: True",
+        "s: 'hi'",
+        "none: None",
+        "size: Size(2, 3)",
+        "npf: float64(2.0)",
+        "npi: int32(-7)",
+        "npb: bool(True)",
+        "tup: (1, (2.5, 'a'))",
+        "lst: [same tensor as x, 2]",
+        "d: {'k': same tensor as t, 3: None}",
+        f"obj: <Foo object at {id(foo):#x}> (by identity)",
+        f"strong: <NoWeakref object at {id(strong):#x}> (by identity)",
+        f"big: <int object at {id(big):#x}> (by identity)",
+        "dev: device('cpu')",
+        "same: same tensor as x",
+        "rest: ('extra',)",
+        "kw: {'key': [1.0]}",
+    ]
+    # Without names: positions.  The entry's property and the miss path's own
+    # description (explain(), logs: EntryInfo.key) read the same bytes.
+    unnamed = entry.key_description
+    assert unnamed == _C.describe_call_key(entry)
+    assert unnamed[1] == "#0:" + got[1].split(":", 1)[1]
+    assert unnamed[27] == "#26: same tensor as #0"
+    assert entry.info.key == list(got)
+
+
+def test_explain_shows_the_c_description():
+    report = nnscaler.explain(lambda x, n: x * n, torch.zeros(2, 3), 4)
+    text = str(report)
+    assert "key  x: Tensor(float32, cpu, shape=(2, 3), stride=(3, 1), requires_grad=False)" in text
+    assert "key  n: 4" in text
+
+
+def _one(x, v):
+    return x + 1
+
+
+def test_equal_descriptions_hit_the_same_entry_and_different_ones_do_not():
+    np = pytest.importorskip("numpy")
+    foo = Foo()
+    values = {
+        "int 3": 3, "int 3, another object": int("3"), "int 4": 4, "float 3.0": 3.0,
+        "True": True, "str": "a", "None": None, "tuple": (1, 2), "list": [1, 2],
+        "Size": torch.Size([1, 2]), "float64 scalar": np.float64(1.0),
+        "float32 scalar": np.float32(1.0), "tensor": torch.zeros(2),
+        "tensor, another": torch.ones(2), "float64 tensor": torch.zeros(2, dtype=torch.float64),
+        "transposed": torch.zeros(3, 2).t(), "transposed, contiguous": torch.zeros(2, 3),
+        "parameter": nn.Parameter(torch.zeros(2)), "subclass": torch.zeros(2).as_subclass(Plain),
+        "requires_grad": torch.zeros(2, requires_grad=True), "foo": foo, "foo again": foo,
+        "another Foo": Foo(), "device": torch.device("cpu"), "dict": {"a": (1, None)},
+        "nested": [(1, [2.0, {"b": "c"}])],
+    }
+    x = torch.zeros(2)
+    # Each value's description, from a cache of its own.
+    own = {}
+    for name, v in values.items():
+        g = nnscaler.compile(_one)
+        g(x, v)
+        own[name] = _only_entry(g).key_description
+    # One cache for all: a call hits an entry iff their descriptions are equal.
+    g = nnscaler.compile(_one, cache_size_limit=len(values))
+    for name, v in values.items():
+        before = {id(e): (e, e.hits) for e in _entries(g)}
+        g(x, v)
+        served = [e for e in _entries(g) if id(e) not in before or e.hits != before[id(e)][1]]
+        assert len(served) == 1, name
+        entry = served[0]
+        assert entry.key_description == own[name], name
+        existing = [e.key_description for e, _ in before.values()]
+        if id(entry) in before:
+            assert existing.count(own[name]) == 1, name
+        else:
+            assert own[name] not in existing, name
+    descriptions = [e.key_description for e in _entries(g)]
+    assert len(set(descriptions)) == len(descriptions) == len(set(own.values()))
+    # the pairs this set holds on purpose: equal keys, one entry each
+    assert own["int 3"] == own["int 3, another object"]
+    assert own["tensor"] == own["tensor, another"]
+    assert own["foo"] == own["foo again"]
+    assert own["transposed"] != own["transposed, contiguous"]
+
+
+def test_call_key_of_values_is_the_key_a_call_stores():
+    x = torch.zeros(2, 3)
+    g = nnscaler.compile(_one)
+    g(x, (1, "a"))
+    entry = _only_entry(g)
+    key = _C.CallKey(x, (1, "a"))   # built by the same C code, from Python
+    assert key.hash == entry.key_hash
+    assert _C.describe_call_key(key) == entry.key_description
+    assert _C.describe_call_key(key, names=("x", "v"))[2] == "v: (1, 'a')"
+    assert _C.CallKey(x, (1, "b")).hash != entry.key_hash
+    with torch.no_grad():
+        assert _C.describe_call_key(_C.CallKey(x))[0] == "grad_mode: False"
+    with pytest.raises(TypeError):
+        _C.describe_call_key(object())
+
+
+class Trap(torch.Tensor):
+    """A subclass whose metadata getters (Python) count their reads and, once armed,
+    raise: describing a key must not call them."""
+    armed = False
+    reads = 0
+
+    @staticmethod
+    def _read():
+        if Trap.armed:
+            raise AssertionError("a tensor getter ran while describing the key")
+        Trap.reads += 1
+
+    @property
+    def shape(self):
+        Trap._read()
+        return torch.Tensor.shape.__get__(self)
+
+    def stride(self, *args):
+        Trap._read()
+        return super().stride(*args)
+
+
+def test_describing_runs_no_python():
+    g = nnscaler.compile(lambda x: x * 2)
+    trap = torch.ones(2, 3).as_subclass(Trap)
+    Trap.reads = 0
+    g(trap)
+    assert Trap.reads > 0   # the key read them (a subclass goes through Python)
+    entry = _only_entry(g)
+    Trap.armed = True
+    try:
+        reads = Trap.reads
+        assert entry.key_description[1] == (
+            "#0: Trap(float32, cpu, shape=(2, 3), stride=(3, 1), requires_grad=False)")
+        assert _C.describe_call_key(entry, ["x"])[1].startswith("x: Trap(float32")
+        assert Trap.reads == reads
+    finally:
+        Trap.armed = False
+
+
+def test_objects_the_key_pins_are_named_through_their_pins():
+    """A miss with entries present takes the lookup's key (C only: no Python ran) and
+    pins its objects from its bytes; the description names them through those pins."""
+    g = nnscaler.compile(_one)
+    foo, strong = Foo(), NoWeakref()
+    g(torch.zeros(2), (foo, strong))
+    g(torch.zeros(3), (foo, strong))     # second entry: the lookup key, reused
+    g(torch.zeros(4), (Foo(), strong))   # a third, for an object that dies
+    gc.collect()
+    entries = _entries(g)
+    assert len(entries) == 3
+    lines = sorted(e.key_description[2] for e in entries)
+    pinned = f"#1: (<Foo object at {id(foo):#x}> (by identity), " \
+             f"<NoWeakref object at {id(strong):#x}> (by identity))"
+    assert lines.count(pinned) == 2
+    dead = [line for line in lines if line != pinned]
+    assert len(dead) == 1 and "collected> (by identity)" in dead[0], dead
+    # the pins are what makes an entry stale when an object it names dies
+    assert [e.check_verbose() is None for e in entries] == \
+        [e.key_description[2] == pinned for e in entries]
+    del foo
+    gc.collect()
+    assert all("collected> (by identity), <NoWeakref object at" in e.key_description[2]
+               for e in entries)
+    assert all(e.check_verbose() is not None for e in entries)
+
+
+class Sneaky(nn.Module):
+    """Reading `training` (a real flag in the instance __dict__, branched on: the entry
+    guards it) goes through a Python __getattribute__, so the guard check runs Python;
+    with a victim set, that read resizes the argument.  The lookup's key then no
+    longer describes the argument: the miss path must build the key again rather than
+    store the stale one with a graph traced on the resized tensor."""
+    victim = [None]
+
+    def __getattribute__(self, name):
+        if name == "training" and Sneaky.victim[0] is not None:
+            x, Sneaky.victim[0] = Sneaky.victim[0], None
+            x.resize_(4, 3).fill_(1.0)
+        return super().__getattribute__(name)
+
+    def forward(self, x):
+        if self.training:
+            return x.sum(0) * 10
+        return x.sum(0) * x.shape[0]
+
+
+def test_a_guard_check_that_changes_the_arguments_gets_a_fresh_key():
+    eager, model = Sneaky(), nnscaler.compile(Sneaky())
+    for m in (eager, model):
+        m(torch.ones(2, 3))              # captured in training mode
+        m.eval()
+        x = torch.ones(2, 3)
+        Sneaky.victim[0] = x
+        assert torch.equal(m(x), torch.full((3,), 16.0))   # resized to (4, 3) first
+        assert Sneaky.victim[0] is None and x.shape == (4, 3)
+    # a stale (2, 3) key on the graph traced at (4, 3) would answer these with 8s
+    for shape in [(2, 3), (4, 3), (2, 3)]:
+        x = torch.ones(*shape)
+        assert torch.equal(model(x), eager(x)), shape
+    keys = sorted(e.key_description[1].split("shape=")[1][:6] for e in _entries(model))
+    assert keys == ["(2, 3)", "(2, 3)", "(4, 3)"]   # (2, 3) training, (4, 3) and (2, 3) eval
+
+
+def test_tensors_past_the_alias_limit_say_so():
+    xs = [torch.zeros(1) for _ in range(66)]
+    g = nnscaler.compile(lambda *xs: xs[0] + 1)
+    g(*xs, xs[0])
+    line = _only_entry(g).key_description[1]
+    assert line.count("aliasing not tracked") == 2
+    assert line.endswith("same tensor as #0[0])")

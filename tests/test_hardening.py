@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -758,6 +759,9 @@ def _runs(module: torch.nn.Module, n: int) -> bool:
     return True
 
 
+_UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
 def test_self_recursive_forward_meets_recursion_error_no_earlier_than_eager():
     """The same limit, the same model: the first call (every level a nested capture)
     and the calls that hit the cache recurse at least as deep as eager before
@@ -768,15 +772,20 @@ def test_self_recursive_forward_meets_recursion_error_no_earlier_than_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("error")     # nothing of ours may fail near the limit
         first_levels = _deepest(compiled, reached)
-    assert first_levels >= eager_levels, (first_levels, eager_levels)
+    # Under ASan every C frame carries redzones (2-3x the stack), and the recursion
+    # credit is given only while the C stack left can hold what the limit allows
+    # (csrc/recursion.c): there a capture may stop some levels short of eager, with
+    # RecursionError, never a crash.  Everywhere else: at least eager's depth.
+    shortfall = int(eager_levels * 0.15) if _UNDER_ASAN else 0
+    assert first_levels >= eager_levels - shortfall, (first_levels, eager_levels)
 
     # The deepest call eager completes: compiled completes it on the first call
     # (captures all the way down) and again from the cache, every level a hit.
     eager = _SelfRecursive()
-    n = eager_levels
+    n = eager_levels - shortfall
     while not _runs(eager, n):
         n -= 1
-    assert n >= eager_levels - 3
+    assert n >= eager_levels - shortfall - 3
     compiled = nnscaler.compile(_SelfRecursive(), cache_size_limit=10 ** 6)
     assert _runs(compiled, n)
     assert nnscaler.cache_info(compiled).captures == n + 1

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nnscaler
-from nnscaler_eval import trace_patches
+from nnscaler_eval import _C, trace_patches
 from nnscaler_eval.tracked_values import TrainingFlag
 
 CHILD_FLAG = "--threads-child"
@@ -233,7 +233,8 @@ def test_cache_limit_counts_entries_still_on_their_way_to_c():
 
     def miss(n: int):
         x = torch.randn(n, 8)
-        return convert_frame(config, forward, forward.__code__, net, (net, x), bucket)
+        return convert_frame(config, forward, forward.__code__, net, (net, x), bucket,
+                             _C.CallKey(x))
 
     first = miss(1)
     assert first[1] is not None  # an entry, not inserted yet
