@@ -55,19 +55,23 @@ cache_table_find(CacheTable *table, PyObject *owner)
     return (bucket != NULL && bucket->self_id == (void *)owner) ? bucket : NULL;
 }
 
-/* Makes room for one more owner: a new slot array holding only the live buckets.
- * Their references move; the old array, with the dead slots' references still in
- * it, goes to *garbage for the caller to release once the table is consistent
+/* Makes room for one more key in an open-addressed slot array (a table's owners or
+ * a set's configs): a new array holding only the slots `live` accepts.  Their
+ * references move; the old array, with the dead slots' references still in it,
+ * goes to *garbage for the caller to release once its structure is consistent
  * again (releasing may run Python).  0, or -1 with MemoryError. */
 static int
-grow(CacheTable *table, CacheTableSlot **garbage, Py_ssize_t *garbage_n)
+rehash(CacheTableSlot **slots_p, Py_ssize_t *capacity_p, Py_ssize_t *used_p,
+       int (*live)(const CacheTableSlot *), CacheTableSlot **garbage,
+       Py_ssize_t *garbage_n)
 {
-    Py_ssize_t live = 0;
-    for (Py_ssize_t i = 0; i < table->capacity; i++) {
-        live += slot_bucket(&table->slots[i]) != NULL;
+    CacheTableSlot *old = *slots_p;
+    Py_ssize_t old_capacity = *capacity_p, n_live = 0;
+    for (Py_ssize_t i = 0; i < old_capacity; i++) {
+        n_live += live(&old[i]);
     }
     Py_ssize_t capacity = TABLE_MIN_CAPACITY;
-    while (capacity < 2 * (live + 1)) {
+    while (capacity < 2 * (n_live + 1)) {
         capacity *= 2;
     }
     CacheTableSlot *slots = PyMem_Calloc((size_t)capacity, sizeof(CacheTableSlot));
@@ -75,19 +79,24 @@ grow(CacheTable *table, CacheTableSlot **garbage, Py_ssize_t *garbage_n)
         PyErr_NoMemory();
         return -1;
     }
-    CacheTableSlot *old = table->slots;
-    for (Py_ssize_t i = 0; i < table->capacity; i++) {
-        if (slot_bucket(&old[i]) != NULL) {
+    for (Py_ssize_t i = 0; i < old_capacity; i++) {
+        if (live(&old[i])) {
             *probe(slots, capacity, old[i].owner) = old[i];
             old[i].ref = NULL;
         }
     }
     *garbage = old;
-    *garbage_n = table->capacity;
-    table->slots = slots;
-    table->capacity = capacity;
-    table->used = live;
+    *garbage_n = old_capacity;
+    *slots_p = slots;
+    *capacity_p = capacity;
+    *used_p = n_live;
     return 0;
+}
+
+static int
+bucket_slot_live(const CacheTableSlot *slot)
+{
+    return slot_bucket(slot) != NULL;
 }
 
 static void
@@ -137,7 +146,8 @@ cache_table_add(CacheTable *table, PyObject *owner, PyObject *home)
     }
     /* From here to the slot write nothing runs Python: the probe stays valid. */
     if ((table->used + 1) * 3 > table->capacity * 2 &&
-        grow(table, &garbage, &garbage_n) < 0) {
+        rehash(&table->slots, &table->capacity, &table->used, bucket_slot_live,
+               &garbage, &garbage_n) < 0) {
         goto error;
     }
     CacheTableSlot *slot = probe(table->slots, table->capacity, owner);
@@ -284,37 +294,10 @@ cache_tables_find(CacheTableSet *set, PyObject *config)
     return slot->owner != NULL ? slot_table(slot) : NULL;
 }
 
-/* grow() for a set: the live tables move to a new array, the old one goes to
- * *garbage.  0, or -1 with MemoryError. */
 static int
-grow_set(CacheTableSet *set, CacheTableSlot **garbage, Py_ssize_t *garbage_n)
+table_slot_live(const CacheTableSlot *slot)
 {
-    Py_ssize_t live = 0;
-    for (Py_ssize_t i = 0; i < set->capacity; i++) {
-        live += slot_table(&set->slots[i]) != NULL;
-    }
-    Py_ssize_t capacity = TABLE_MIN_CAPACITY;
-    while (capacity < 2 * (live + 1)) {
-        capacity *= 2;
-    }
-    CacheTableSlot *slots = PyMem_Calloc((size_t)capacity, sizeof(CacheTableSlot));
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    CacheTableSlot *old = set->slots;
-    for (Py_ssize_t i = 0; i < set->capacity; i++) {
-        if (slot_table(&old[i]) != NULL) {
-            *probe(slots, capacity, old[i].owner) = old[i];
-            old[i].ref = NULL;
-        }
-    }
-    *garbage = old;
-    *garbage_n = set->capacity;
-    set->slots = slots;
-    set->capacity = capacity;
-    set->used = live;
-    return 0;
+    return slot_table(slot) != NULL;
 }
 
 CacheTable *
@@ -330,7 +313,9 @@ cache_tables_ensure(CacheTableSet *set, PyObject *config)
         return NULL;
     }
     /* No Python from here to the slot write. */
-    if ((set->used + 1) * 3 > set->capacity * 2 && grow_set(set, &garbage, &garbage_n) < 0) {
+    if ((set->used + 1) * 3 > set->capacity * 2 &&
+        rehash(&set->slots, &set->capacity, &set->used, table_slot_live,
+               &garbage, &garbage_n) < 0) {
         Py_DECREF(table);
         return NULL;
     }
