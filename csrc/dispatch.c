@@ -165,12 +165,47 @@ capture_state_save(CaptureThreadState *state)
     PyErr_Restore(type, value, tb);
 }
 
+/* An interrupt (a BaseException that is not an Exception) can stop a torch-function
+ * dispatch between its `_pop_mode_temporarily()` and the context manager's exit: the
+ * generator then stays suspended in a frame the traceback keeps, and pushes its mode
+ * back whenever that frame is freed, long after the restore below.  Clearing the
+ * finished frames of torch/overrides.py now runs those `finally`s first, so that the
+ * restore sees (and pops) what they push.  Errors are dropped: best effort. */
+static void
+finish_interrupted_mode_dispatch(PyObject *value, PyObject *tb)
+{
+    if (value == NULL || tb == NULL || PyObject_IsInstance(value, PyExc_Exception) != 0) {
+        PyErr_Clear();
+        return;
+    }
+    static PyObject *overrides_suffix;
+    if (overrides_suffix == NULL &&
+        (overrides_suffix = PyUnicode_InternFromString("torch/overrides.py")) == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    for (PyTracebackObject *cur = (PyTracebackObject *)tb; cur != NULL; cur = cur->tb_next) {
+        PyFrameObject *frame = cur->tb_frame;
+        PyCodeObject *code = PyFrame_GetCode(frame);   /* new reference */
+        int match = PyUnicode_Tailmatch(code->co_filename, overrides_suffix, 0,
+                                        PY_SSIZE_T_MAX, 1) == 1;
+        Py_DECREF(code);
+        if (match) {
+            PyObject *r = PyObject_CallMethod((PyObject *)frame, "clear", NULL);
+            Py_XDECREF(r);
+        }
+        PyErr_Clear();
+    }
+}
+
 /* Never fails; keeps a pending exception (the user's, or an interrupt). */
 static void
 capture_state_restore(CaptureThreadState *state)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    finish_interrupted_mode_dispatch(value, tb);
     for (int popped = 0; state->mode_depth >= 0 && popped < 64; popped++) {
         Py_ssize_t depth = mode_stack_depth();
         if (depth < 0 || depth <= state->mode_depth) {
