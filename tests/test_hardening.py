@@ -1001,3 +1001,64 @@ def test_disable_in_a_task_copied_from_an_armed_context_keeps_the_hook():
 
     asyncio.run(main())
     assert _C.armed_threads() == 0 and not _C.eval_frame_installed()
+
+
+# ------------------------------------------- Python in the hit path's fast reads
+
+class _FlagProperty(torch.nn.Module):
+    """`training` as a property: the instance __dict__ value must not be used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+        self.drop = torch.nn.Dropout(0.5)
+
+    @property
+    def training(self):   # type: ignore[override]
+        self.reads += 1
+        return self.__dict__.get("_mode", True)
+
+    @training.setter
+    def training(self, value):
+        self.__dict__["_mode"] = value
+
+    def forward(self, x):
+        return x * 2 if self.training else x * 3
+
+
+def test_training_property_is_read_through_python_on_hits():
+    m = nnscaler.compile(_FlagProperty())
+    x = torch.ones(2)
+    assert torch.equal(m(x), x * 2) and torch.equal(m(x), x * 2)
+    before = m.reads
+    m.eval()
+    assert torch.equal(m(x), x * 3)
+    assert m.reads > before
+
+
+class _LoudGetattribute(torch.nn.Linear):
+    def __getattribute__(self, name):
+        if name == "training":
+            object.__getattribute__(self, "__dict__").setdefault("_seen", 0)
+            object.__getattribute__(self, "__dict__")["_seen"] += 1
+        return super().__getattribute__(name)
+
+
+def test_custom_getattribute_and_instance_forward_are_honoured():
+    m = nnscaler.compile(_LoudGetattribute(2, 2))
+    x = torch.ones(1, 2)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, m.weight, m.bias)
+        assert torch.equal(m(x), expected) and torch.equal(m(x), expected)
+        # An instance attribute `forward` wins over the class's, as in eager.
+        m.forward = lambda x: x * 7
+        assert torch.equal(m(x), x * 7)
+        del m.forward
+        assert torch.equal(m(x), expected)
+        # The class changes under the cached per-type decision.
+        type(m).forward = lambda self, x: x - 1
+        try:
+            assert torch.equal(m(x), x - 1)
+        finally:
+            del type(m).forward
+        assert torch.equal(m(x), expected)
