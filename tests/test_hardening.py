@@ -1062,3 +1062,39 @@ def test_custom_getattribute_and_instance_forward_are_honoured():
         finally:
             del type(m).forward
         assert torch.equal(m(x), expected)
+
+
+class _ResetsAndCallsOnDel:
+    """Its finaliser runs Python in the middle of a miss: reset() every cache and
+    call other instances of the same compiled class (new buckets in the very table
+    the miss is adding to)."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def __del__(self):
+        nnscaler.reset()
+        for m in self.others:
+            m(torch.ones(2))
+
+
+def test_finalisers_that_reset_and_recapture_during_a_miss():
+    Compiled = nnscaler.compile(type("Compiled", (_Scaled,), {}))
+    others = [Compiled(2.0) for _ in range(3)]
+
+    class Dropping(_Scaled):
+        def forward(self, x):
+            box = [_ResetsAndCallsOnDel(others)]
+            box.append(box)                 # a cycle: freed by a collection, anywhere
+            del box
+            gc.collect()                    # the finaliser runs inside this capture
+            return x * self.k
+
+    m = nnscaler.compile(Dropping(3.0))
+    x = torch.ones(2)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(m(x), x * 3)
+            for o in others:
+                assert torch.equal(o(x), x * 2)
+    m(x)   # still usable, nothing left half-made
