@@ -7,6 +7,7 @@
 #include "cache_table.h"
 #include "code_state.h"
 #include "frame_record.h"
+#include "held_lock.h"
 #include "compat.h"
 #include "arming.h"
 #include "compiled_call.h"
@@ -337,6 +338,10 @@ static PyMethodDef module_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "call_with_mode_replaced(mode, stand_in, fn, /, *args, **kwargs): fn(*args, **kwargs)\n"
      "with torch function mode `mode` replaced by `stand_in` meanwhile if it is on top."},
+    {"call_holding", (PyCFunction)(void (*)(void))call_holding,
+     METH_FASTCALL | METH_KEYWORDS,
+     "call_holding(lock, fn, /, *args, **kwargs): fn(*args, **kwargs) with `lock` held,\n"
+     "acquired and released in C: no interrupt can land between (csrc/held_lock.h)."},
     {"_stack_room", recursion_stack_room, METH_NOARGS,
      "_stack_room() -> (free, size): C stack bytes left here and the thread's stack size."},
     {NULL, NULL, 0, NULL},

@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.trace_patches import REAL_SET_GRAD_ENABLED
 
@@ -194,8 +195,9 @@ _AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
 _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
 # Reentrant: _forget_source runs from a weakref finalizer, which the GC can run on
-# this thread while _register_source holds the lock (an allocation in its loop);
-# with a plain Lock that deadlocked (found by tests/test_interrupts.py on 3.13).
+# this thread while _register_source holds the lock (an allocation in its loop).
+# Held through _C.call_holding: `with lock:` is not interrupt-safe on 3.13+
+# (csrc/held_lock.h; tests/test_interrupts.py hung on it).
 _filename_lock = threading.RLock()
 
 _COND = torch.ops.higher_order.cond
@@ -593,22 +595,28 @@ def _declare_autocast_contexts(
 def _register_source(name: str, source: str) -> tuple[str, Any]:
     """A fresh `<nnscaler graph ...>` filename, with `source` in linecache under it;
     returns the filename and the cache entry (to remove exactly that entry later)."""
+    return _C.call_holding(_filename_lock, _register_source_locked, name, source)
+
+
+def _register_source_locked(name: str, source: str) -> tuple[str, Any]:
     base = f"<nnscaler graph {name}"
-    with _filename_lock:
-        filename, n = base + ">", 1
-        while filename in linecache.cache:
-            n += 1
-            filename = f"{base} #{n}>"
-        entry = (len(source), None, source.splitlines(True), filename)
-        linecache.cache[filename] = entry
+    filename, n = base + ">", 1
+    while filename in linecache.cache:
+        n += 1
+        filename = f"{base} #{n}>"
+    entry = (len(source), None, source.splitlines(True), filename)
+    linecache.cache[filename] = entry
     return filename, entry
 
 
 def _forget_source(filename: str, entry: Any) -> None:
     # Only our own entry: the name may have been reused once a finalizer ran late.
-    with _filename_lock:
-        if linecache.cache.get(filename) is entry:
-            del linecache.cache[filename]
+    _C.call_holding(_filename_lock, _forget_source_locked, filename, entry)
+
+
+def _forget_source_locked(filename: str, entry: Any) -> None:
+    if linecache.cache.get(filename) is entry:
+        del linecache.cache[filename]
 
 
 def runner_source(

@@ -17,15 +17,13 @@ keep torch's answer.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Callable, Iterator
 
 import torch
 
+from nnscaler_eval import trace_state
+
 _torch_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
-_lock = threading.Lock()
-_capturing_threads = 0
-_local = threading.local()
 
 
 def dynamo_is_compiling() -> bool:
@@ -34,7 +32,11 @@ def dynamo_is_compiling() -> bool:
 
 
 def _is_compiling() -> bool:
-    if getattr(_local, "depth", 0):
+    # The thread holding the capture lock is the one capturing (one capture at a
+    # time, process-wide: trace_state).  Derived from the lock, not from a counter of
+    # our own: an interrupt can land between any two bytecodes, and the lock is the
+    # one piece of this state that is repaired in a `finally` whatever happens.
+    if trace_state.capture_depth():
         return True
     return _torch_is_compiling()
 
@@ -45,17 +47,16 @@ _is_compiling.__wrapped__ = _torch_is_compiling  # type: ignore[attr-defined]
 
 @contextlib.contextmanager
 def compile_safe_paths() -> Iterator[None]:
-    """While active, `torch.compiler.is_compiling()` is true on this thread."""
-    global _capturing_threads
-    with _lock:
-        _capturing_threads += 1
-        torch.compiler.is_compiling = _is_compiling
-    _local.depth = getattr(_local, "depth", 0) + 1
+    """While active, `torch.compiler.is_compiling()` is true on this thread.
+
+    Entered with the capture lock held (convert_frame), so one thread at a time
+    swaps and restores: no lock or counter of its own (a `with lock:` is not
+    interrupt-safe on 3.13+, csrc/held_lock.h).  An interrupt that skips the restore
+    leaves a swap that answers as torch does on every thread not capturing, and the
+    next capture's exit restores it."""
+    torch.compiler.is_compiling = _is_compiling
     try:
         yield
     finally:
-        _local.depth -= 1
-        with _lock:
-            _capturing_threads -= 1
-            if _capturing_threads == 0:
-                torch.compiler.is_compiling = _torch_is_compiling
+        if trace_state.capture_depth() <= 1:   # the outermost capture on this thread
+            torch.compiler.is_compiling = _torch_is_compiling

@@ -49,7 +49,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from nnscaler_eval import microsoft_nnscaler
+from nnscaler_eval import _C, microsoft_nnscaler
 from nnscaler_eval.capture import Capture
 from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
 from nnscaler_eval.export import (
@@ -123,13 +123,15 @@ def parallelize(*args: Any, **kwargs: Any) -> Any:
         _rewrite_inplace_ops(gm)  # what nnScaler's to_fx_graph does after its trace
         return gm
 
-    with _seam_lock:
+    def through_our_seam() -> Any:
         original = nnscaler_parser.to_fx_graph
         nnscaler_parser.to_fx_graph = to_fx_graph
         try:
             return microsoft_nnscaler.module("parallel").parallelize(*args, **kwargs)
         finally:
             nnscaler_parser.to_fx_graph = original
+
+    return _C.call_holding(_seam_lock, through_our_seam)
 
 
 # -- the rewrite into nnScaler's form --------------------------------------------------

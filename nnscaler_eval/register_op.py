@@ -65,6 +65,7 @@ import warnings
 from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
 from nnscaler_eval import microsoft_nnscaler
+from nnscaler_eval._C import call_holding as _call_holding
 from nnscaler_eval.fx_tracing import active_fx_tracer
 from nnscaler_eval.op_annotation import (
     ERROR_PREFIX,
@@ -103,6 +104,8 @@ class RegisteredOp(Protocol):
 
 
 _registry: dict[str, RegisteredOp] = {}
+# Held through _call_holding: `with lock:` is not interrupt-safe on 3.13+
+# (csrc/held_lock.h).
 _registry_lock = threading.Lock()
 
 # Per thread: the tracers whose call_opaque is running a registered op, innermost last.
@@ -186,8 +189,7 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
 
 def registered_ops() -> dict[str, RegisteredOp]:
     """A copy of the registry: op name -> registered op."""
-    with _registry_lock:
-        return dict(_registry)
+    return _call_holding(_registry_lock, dict, _registry)
 
 
 def _register(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
@@ -203,24 +205,28 @@ def _register(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
     op_name = name if name is not None else _default_name(fn)
     if annotation is not None:  # None: an nnScaler annotation function
         _check_arity(fn, annotation)
-    with _registry_lock:
-        existing = _registry.get(op_name)
-        if existing is not None:
-            old_fn = existing.__wrapped__
-            if old_fn is fn:
-                if existing.__nnscaler_op__ == annotation:
-                    return existing
-                raise ValueError(
-                    f"{ERROR_PREFIX}: {_describe(fn)} is already registered as {op_name!r} "
-                    f"with annotation {_text(existing.__nnscaler_op__)!r}; it cannot be "
-                    f"registered again with {_text(annotation)!r}")
-            if not _same_definition(old_fn, fn):
-                raise ValueError(
-                    f"{ERROR_PREFIX}: the name {op_name!r} is taken by {_describe(old_fn)} "
-                    f"(annotation {_text(existing.__nnscaler_op__)!r}); cannot register "
-                    f"{_describe(fn)} under it. Pass name= to give one of them another name")
-        op = _make_op(fn, annotation, op_name)
-        _registry[op_name] = op
+    return _call_holding(_registry_lock, _register_locked, fn, annotation, op_name)
+
+
+def _register_locked(fn: Callable[..., Any], annotation: Optional[OpAnnotation],
+                     op_name: str) -> RegisteredOp:
+    existing = _registry.get(op_name)
+    if existing is not None:
+        old_fn = existing.__wrapped__
+        if old_fn is fn:
+            if existing.__nnscaler_op__ == annotation:
+                return existing
+            raise ValueError(
+                f"{ERROR_PREFIX}: {_describe(fn)} is already registered as {op_name!r} "
+                f"with annotation {_text(existing.__nnscaler_op__)!r}; it cannot be "
+                f"registered again with {_text(annotation)!r}")
+        if not _same_definition(old_fn, fn):
+            raise ValueError(
+                f"{ERROR_PREFIX}: the name {op_name!r} is taken by {_describe(old_fn)} "
+                f"(annotation {_text(existing.__nnscaler_op__)!r}); cannot register "
+                f"{_describe(fn)} under it. Pass name= to give one of them another name")
+    op = _make_op(fn, annotation, op_name)
+    _registry[op_name] = op
     return op
 
 
@@ -373,24 +379,10 @@ def nnscaler_runtime_function(op: Any) -> Any:
 
 def attach_nnscaler() -> None:
     """Hook nnScaler's op registry into ours (idempotent); adopts ops registered before."""
-    global _nnscaler_attached
     nnscaler_registry = microsoft_nnscaler.module("graph.parser.register")
     CustomizedOps = nnscaler_registry.CustomizedOps
-
-    with _registry_lock:
-        if _nnscaler_attached:
-            return
-        original = CustomizedOps.register
-        if not getattr(original, "_nnscaler_eval_hook", False):
-            def register(signature: str, op_create_fn: Callable[..., Any], code: str,
-                         runtime_fn: Callable[..., Any], emit_fn: Any = None,
-                         input_gen_fn: Any = None) -> None:
-                original(signature, op_create_fn, code, runtime_fn, emit_fn, input_gen_fn)
-                _adopt(signature, runtime_fn, op_create_fn)
-
-            register._nnscaler_eval_hook = True  # type: ignore[attr-defined]
-            CustomizedOps.register = staticmethod(register)  # type: ignore[method-assign]
-        _nnscaler_attached = True
+    if not _call_holding(_registry_lock, _hook_nnscaler_registry, CustomizedOps):
+        return
     for signature, runtime_fn in list(CustomizedOps.kOpRuntime.items()):
         _adopt(signature, runtime_fn, CustomizedOps.kOpMap.get(signature))
     # Ops of ours registered before nnScaler was imported: hand them over now.
@@ -403,6 +395,26 @@ def attach_nnscaler() -> None:
             nnscaler_register_op(annotation.text, op.op_name)(op)
         except Exception as exc:  # noqa: BLE001
             op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
+
+
+def _hook_nnscaler_registry(CustomizedOps: Any) -> bool:
+    """Route nnScaler's registrations through ours (registry lock held); False when
+    that was done already."""
+    global _nnscaler_attached
+    if _nnscaler_attached:
+        return False
+    original = CustomizedOps.register
+    if not getattr(original, "_nnscaler_eval_hook", False):
+        def register(signature: str, op_create_fn: Callable[..., Any], code: str,
+                     runtime_fn: Callable[..., Any], emit_fn: Any = None,
+                     input_gen_fn: Any = None) -> None:
+            original(signature, op_create_fn, code, runtime_fn, emit_fn, input_gen_fn)
+            _adopt(signature, runtime_fn, op_create_fn)
+
+        register._nnscaler_eval_hook = True  # type: ignore[attr-defined]
+        CustomizedOps.register = staticmethod(register)  # type: ignore[method-assign]
+    _nnscaler_attached = True
+    return True
 
 
 def _register_with_nnscaler(fn: Callable[..., Any], text: Any,
@@ -462,8 +474,7 @@ def _adopt(signature: str, runtime_fn: Any, op_create_fn: Any) -> None:
     op_name = name if name is not None else signature
     op = _make_op(body, annotation, op_name)
     op.__nnscaler_signature__ = signature  # type: ignore[attr-defined]
-    with _registry_lock:
-        _registry[op_name] = op
+    _call_holding(_registry_lock, _registry.__setitem__, op_name, op)
     runtime_fn.__code__ = _trampoline.__code__
     runtime_fn.__defaults__ = None
     runtime_fn.__kwdefaults__ = {"_nnscaler_eval_op": op}

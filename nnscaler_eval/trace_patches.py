@@ -54,6 +54,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from nnscaler_eval._C import call_at_depth as _call_at_depth
+from nnscaler_eval._C import call_holding as _call_holding
 from nnscaler_eval._C import call_with_mode_replaced as _call_with_mode_replaced
 from nnscaler_eval._C import recursion_depth as _recursion_depth
 from nnscaler_eval.compile_awareness import dynamo_is_compiling
@@ -121,7 +122,10 @@ class _Patch:
         return self._read() is self.replacement
 
 
-_lock = threading.Lock()
+# Held through _call_holding (csrc/held_lock.h: `with lock:` is not interrupt-safe on
+# 3.13+).  Reentrant: a finalizer the GC runs on this thread while it is held may
+# end a trace of its own.
+_lock = threading.RLock()
 # The traces running now (any thread): the patches are in while this is not empty.
 _owners: set[int] = set()
 
@@ -531,10 +535,13 @@ def install(owner: Any) -> None:
     owner is registered before any patch goes in, so `uninstall(owner)`, which the
     caller runs in a `finally` whether or not this returned, always repairs.
     """
-    with _lock:
-        _owners.add(id(owner))
-        for patch in _PATCHES:
-            patch.apply()
+    _call_holding(_lock, _install_locked, owner)
+
+
+def _install_locked(owner: Any) -> None:
+    _owners.add(id(owner))
+    for patch in _PATCHES:
+        patch.apply()
 
 
 def uninstall(owner: Any) -> None:
@@ -544,11 +551,14 @@ def uninstall(owner: Any) -> None:
     somebody replaced while we were tracing is left as they set it (our wrapper is a
     pass-through on other threads, so leaving it in their chain is safe).
     """
-    with _lock:
-        _owners.discard(id(owner))
-        if not _owners:
-            for patch in reversed(_PATCHES):
-                patch.remove()
+    _call_holding(_lock, _uninstall_locked, owner)
+
+
+def _uninstall_locked(owner: Any) -> None:
+    _owners.discard(id(owner))
+    if not _owners:
+        for patch in reversed(_PATCHES):
+            patch.remove()
 
 
 def patched() -> list[str]:

@@ -1112,3 +1112,82 @@ def test_finalisers_that_reset_and_recapture_during_a_miss():
             for o in others:
                 assert torch.equal(o(x), x * 2)
     m(x)   # still usable, nothing left half-made
+
+
+# ------------------------------------------------- a lock held for one call, in C
+
+def test_call_holding_holds_the_lock_for_the_call_only():
+    lock = threading.Lock()
+    seen = []
+
+    def body(a, b=0):
+        seen.append(lock.locked())
+        return a + b
+
+    assert _C.call_holding(lock, body, 1, b=2) == 3
+    assert seen == [True] and not lock.locked()
+
+
+def test_call_holding_releases_on_every_exit():
+    lock = threading.RLock()
+
+    def fails():
+        raise KeyboardInterrupt   # what a signal handler raises mid-body
+
+    with pytest.raises(KeyboardInterrupt):
+        _C.call_holding(lock, fails)
+    assert lock._recursion_count() == 0
+    # reentrant: a nested hold on the same thread, both released
+    assert _C.call_holding(lock, _C.call_holding, lock, lock._recursion_count) == 2
+    assert lock._recursion_count() == 0
+
+
+def test_call_holding_reports_bad_locks_and_calls_nothing_without_the_lock():
+    calls = []
+
+    class Refuses:
+        def acquire(self):
+            return False
+
+        def release(self):
+            calls.append("release")
+
+    with pytest.raises(RuntimeError, match="returned without the lock"):
+        _C.call_holding(Refuses(), calls.append, "called")
+    assert calls == []
+
+    class Interrupted:   # acquire interrupted while waiting: no lock, no call
+        def acquire(self):
+            raise KeyboardInterrupt
+
+        def release(self):
+            calls.append("release")
+
+    with pytest.raises(KeyboardInterrupt):
+        _C.call_holding(Interrupted(), calls.append, "called")
+    assert calls == []
+    with pytest.raises(AttributeError):
+        _C.call_holding(object(), calls.append, "called")
+    with pytest.raises(TypeError, match="call_holding"):
+        _C.call_holding(threading.Lock())
+
+
+def test_call_holding_keeps_the_calls_error_when_the_release_fails_too(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+    class BreaksOnRelease:
+        def acquire(self):
+            return True
+
+        def release(self):
+            raise RuntimeError("release failed")
+
+    def fails():
+        raise ValueError("the call's error")
+
+    with pytest.raises(ValueError, match="the call's error"):
+        _C.call_holding(BreaksOnRelease(), fails)
+    assert [str(r.exc_value) for r in reported] == ["release failed"]
+    with pytest.raises(RuntimeError, match="release failed"):
+        _C.call_holding(BreaksOnRelease(), int)

@@ -246,3 +246,38 @@ def test_microsoft_nnscaler_names_only_modules_our_public_package_lacks():
                 break
         else:
             raise AssertionError(f"nnscaler.{name} is a module of our public package too")
+
+
+def _with_lock_statements(source: str) -> list[tuple[int, str]]:
+    """`with <something named ...lock...>:` statements (AST, any nesting)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.With, ast.AsyncWith)):
+            continue
+        for item in node.items:
+            expr = item.context_expr
+            name = expr.id if isinstance(expr, ast.Name) else \
+                expr.attr if isinstance(expr, ast.Attribute) else None
+            if name is not None and "lock" in name.lower():
+                found.append((node.lineno, name))
+    return found
+
+
+def test_the_with_lock_check_sees_every_form():
+    source = ("with _lock:\n    pass\nwith state.capture_lock, open('f'):\n    pass\n"
+              "def f():\n    with other, self._Lock as held:\n        pass\n"
+              "with open('x') as block:\n    pass\n")
+    assert [name for _, name in _with_lock_statements(source)] == [
+        "_lock", "capture_lock", "_Lock"]
+
+
+def test_no_with_lock_statements():
+    # `with lock:` is not interrupt-safe on 3.13+: a KeyboardInterrupt from the
+    # periodic check at the end of the CALL of __enter__ leaves the lock held (csrc/
+    # held_lock.h).  Locks are held through _C.call_holding instead.
+    offenders = []
+    for path in sorted((ROOT / "nnscaler_eval").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        offenders += [f"{rel}:{line} with {name}:"
+                      for line, name in _with_lock_statements(path.read_text())]
+    assert offenders == [], "hold locks through nnscaler_eval._C.call_holding"
