@@ -167,10 +167,35 @@ capture_state_save(CaptureThreadState *state)
 
 /* An interrupt (a BaseException that is not an Exception) can stop a torch-function
  * dispatch between its `_pop_mode_temporarily()` and the context manager's exit: the
- * generator then stays suspended in a frame the traceback keeps, and pushes its mode
- * back whenever that frame is freed, long after the restore below.  Clearing the
- * finished frames of torch/overrides.py now runs those `finally`s first, so that the
- * restore sees (and pops) what they push.  Errors are dropped: best effort. */
+ * generator then stays suspended, its mode popped, held by a finished frame the
+ * traceback keeps, and pushes that mode back whenever the frame is freed, long after
+ * the restore below (when the traceback sits in a reference cycle: whenever the
+ * cyclic GC runs).  The frames that hold it: torch/overrides.py's dispatch, when the
+ * interrupt landed in its `with` before the body; contextlib's `__enter__` or
+ * `__exit__` (`self`, the context manager), when it landed in there (found on 3.14,
+ * where the periodic check also runs at a function's start).  Clearing those finished
+ * frames now runs the generators' `finally`s first, so that the restore sees (and
+ * pops) what they push.  Library frames only: the user's keep their locals for
+ * post-mortem debugging.  Errors are dropped: best effort. */
+static int
+holds_interrupted_mode_dispatch(PyCodeObject *code)
+{
+    static PyObject *overrides_suffix, *contextlib_suffix, *enter_name, *exit_name;
+    if (exit_name == NULL &&
+        ((overrides_suffix = PyUnicode_InternFromString("torch/overrides.py")) == NULL ||
+         (contextlib_suffix = PyUnicode_InternFromString("/contextlib.py")) == NULL ||
+         (enter_name = PyUnicode_InternFromString("__enter__")) == NULL ||
+         (exit_name = PyUnicode_InternFromString("__exit__")) == NULL)) {
+        return 0;
+    }
+    if (PyUnicode_Tailmatch(code->co_filename, overrides_suffix, 0, PY_SSIZE_T_MAX, 1) == 1) {
+        return 1;
+    }
+    return PyUnicode_Tailmatch(code->co_filename, contextlib_suffix, 0, PY_SSIZE_T_MAX, 1) == 1
+           && (PyUnicode_Compare(code->co_name, enter_name) == 0 ||
+               PyUnicode_Compare(code->co_name, exit_name) == 0);
+}
+
 static void
 finish_interrupted_mode_dispatch(PyObject *value, PyObject *tb)
 {
@@ -178,17 +203,10 @@ finish_interrupted_mode_dispatch(PyObject *value, PyObject *tb)
         PyErr_Clear();
         return;
     }
-    static PyObject *overrides_suffix;
-    if (overrides_suffix == NULL &&
-        (overrides_suffix = PyUnicode_InternFromString("torch/overrides.py")) == NULL) {
-        PyErr_Clear();
-        return;
-    }
     for (PyTracebackObject *cur = (PyTracebackObject *)tb; cur != NULL; cur = cur->tb_next) {
         PyFrameObject *frame = cur->tb_frame;
         PyCodeObject *code = PyFrame_GetCode(frame);   /* new reference */
-        int match = PyUnicode_Tailmatch(code->co_filename, overrides_suffix, 0,
-                                        PY_SSIZE_T_MAX, 1) == 1;
+        int match = holds_interrupted_mode_dispatch(code);
         Py_DECREF(code);
         if (match) {
             PyObject *r = PyObject_CallMethod((PyObject *)frame, "clear", NULL);
