@@ -108,6 +108,10 @@ uint64_t nns_dict_version(PyObject *dict);
  * change in the process: each dict is checked). */
 uint64_t nns_dict_clock(void);
 
+/* 1 when changes to `dict` move nns_dict_clock (it is watched now, watching it first
+ * if need be), 0 when they may not (3.11, or watching failed).  Never raises. */
+int nns_dict_watched(PyObject *dict);
+
 /* Used only by the compat files: clear a frame that was never run and pop it off
  * the thread's frame stack (what the default evaluator does on exit).  A no-op on
  * 3.11, where _PyEval_Vector does it. */
@@ -157,14 +161,13 @@ nns_weakref_object(PyObject *ref)
 #if defined(NNS_PY311) || defined(NNS_PY312)
     return PyWeakref_GET_OBJECT(ref);
 #else
-    PyObject *obj = NULL;
-    if (PyWeakref_GetRef(ref, &obj) <= 0) {
-        PyErr_Clear();
-        return Py_None;
-    }
-    /* the referent is alive and referenced elsewhere: dropping ours leaves it so */
-    Py_DECREF(obj);
-    return obj;
+    /* What the deprecated macro did, from the struct in Include/cpython/
+     * weakrefobject.h (unchanged 3.11-3.14): a cleared reference points to None, and
+     * a referent already in its deallocator (refcount 0, weakrefs not yet cleared)
+     * counts as dead, as in PyWeakref_GetRef.  No new reference taken and dropped:
+     * state guards read one per module per hit. */
+    PyObject *obj = ((PyWeakReference *)ref)->wr_object;
+    return obj == Py_None || Py_REFCNT(obj) == 0 ? Py_None : obj;
 #endif
 }
 

@@ -72,6 +72,12 @@ nns_dict_clock(void)
     return 0;
 }
 
+int
+nns_dict_watched(PyObject *Py_UNUSED(dict))
+{
+    return 0;
+}
+
 /* Lib/opcode.py, _inline_cache_entries, 3.11 */
 const NnsOpcodes nns_opcodes = {
     .cache_entries = {

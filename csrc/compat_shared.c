@@ -200,6 +200,16 @@ nns_dict_version(PyObject *dict)
     return ++watch_clock;
 }
 
+int
+nns_dict_watched(PyObject *dict)
+{
+    if (watch_find(dict) != NULL) {
+        return 1;
+    }
+    (void)nns_dict_version(dict);   /* leaves no slot when watching fails */
+    return watch_find(dict) != NULL;
+}
+
 #endif /* !NNS_PY311 */
 
 /* ------------------------------------------------- plain instance attributes */

@@ -58,6 +58,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->versions);
     PyMem_Free(self->flag_refs);
     PyMem_Free(self->flag_values);
+    PyMem_Free(self->flag_dicts);
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
     PyMem_Free(self->key);
@@ -140,9 +141,10 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->versions = PyMem_Calloc((size_t)nd + 1, sizeof(uint64_t));
     self->flag_refs = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->flag_values = PyMem_Calloc((size_t)nf + 1, 1);
+    self->flag_dicts = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->values = PyMem_Calloc((size_t)nv + 1, sizeof(ValueGuard));
     if (!self->dicts || !self->versions || !self->flag_refs || !self->flag_values ||
-        !self->values) {
+        !self->flag_dicts || !self->values) {
         PyErr_NoMemory();
         goto error;
     }
@@ -213,9 +215,12 @@ error:
     return NULL;
 }
 
-PyObject *
-cache_read_training(PyObject *module)
+/* cache_read_training, and in *from_dict the instance __dict__ the flag was found
+ * in (borrowed), or NULL when it came from elsewhere (a property, getattr). */
+static PyObject *
+read_training(PyObject *module, PyObject **from_dict)
 {
+    *from_dict = NULL;
     /* The common case, no Python: `training` is a bool in the instance __dict__ and
      * nothing on the type (a property, a __getattribute__) comes before it. */
     if (nns_type_reads_instance_dict(Py_TYPE(module), guard_env.str_training)) {
@@ -223,6 +228,7 @@ cache_read_training(PyObject *module)
         PyObject *flag = dict != NULL && PyDict_CheckExact(dict)
             ? PyDict_GetItemWithError(dict, guard_env.str_training) : NULL;
         if (flag == Py_True || flag == Py_False) {
+            *from_dict = dict;
             return flag;
         }
         if (flag == NULL && PyErr_Occurred()) {
@@ -239,6 +245,25 @@ cache_read_training(PyObject *module)
         return NULL;
     }
     return truth ? Py_True : Py_False;
+}
+
+PyObject *
+cache_read_training(PyObject *module)
+{
+    PyObject *from_dict;
+    return read_training(module, &from_dict);
+}
+
+/* The flag reads as it did when the entry last held at the current dict clock: the
+ * module lives (its weakref), and it still takes `training` from the same instance
+ * __dict__, which is watched, so unchanged while the clock is.  A changed class (a
+ * property added) changes its version tag, and nns_type_reads_instance_dict looks
+ * again.  Runs no Python. */
+static inline int
+flag_vouched(CacheEntry *entry, Py_ssize_t i, PyObject *module)
+{
+    return entry->flag_dicts[i] != NULL && nns_object_dict(module) == entry->flag_dicts[i] &&
+           nns_type_reads_instance_dict(Py_TYPE(module), guard_env.str_training);
 }
 
 int
@@ -260,7 +285,11 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             *failed = entry->n_dicts + i;
             return -1;
         }
-        PyObject *flag = cache_read_training(module);
+        if (dicts_unchanged && flag_vouched(entry, i, module)) {
+            continue;
+        }
+        PyObject *from_dict;
+        PyObject *flag = read_training(module, &from_dict);
         if (flag == NULL) {
             PyErr_Clear();
             *failed = entry->n_dicts + i;
@@ -270,6 +299,10 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             *failed = entry->n_dicts + i;
             return 0;
         }
+        /* Watched from here on (3.12+: starting to watch moves the clock, so the entry
+         * holds at a clock that already counts this dict); 3.11 has no clock. */
+        entry->flag_dicts[i] = from_dict != NULL && clock != 0 && nns_dict_watched(from_dict)
+            ? from_dict : NULL;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entry->training_refs); i++) {
         if (nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i)) == Py_None) {

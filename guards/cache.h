@@ -34,6 +34,9 @@ typedef struct {
     Py_ssize_t n_flags;
     PyObject **flag_refs;      /* owned weakrefs to modules */
     char *flag_values;
+    PyObject **flag_dicts;     /* PyMem, addresses only: the instance __dict__ each flag
+                                  was last read from, when it is watched (3.12+), else
+                                  NULL; lets the dict clock vouch for the flag */
     Py_ssize_t n_values;
     ValueGuard *values;        /* owned guards on values the capture read */
     Py_ssize_t n_unclocked;

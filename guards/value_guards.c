@@ -307,13 +307,15 @@ guarded_dict(ValueGuard *guard, int *stale)
 int
 value_guard_dict_is_current(ValueGuard *guard)
 {
-    int stale;
-    PyObject *dict = guarded_dict(guard, &stale);   /* owned */
-    if (dict == NULL) {
-        return stale ? -1 : 0;
+    /* guarded_dict's answer without a reference taken: called per module per hit */
+    if (guard->target == guard->dict) {
+        return 1;
     }
-    Py_DECREF(dict);
-    return 1;
+    PyObject *owner = nns_weakref_object(guard->target);
+    if (owner == Py_None) {
+        return -1;
+    }
+    return nns_object_dict(owner) == guard->dict;
 }
 
 /* How many of the dict's keys are watched names (a re-validation only).  Walks an

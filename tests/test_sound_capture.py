@@ -547,6 +547,118 @@ def test_replaced_instance_dict_is_seen_even_while_the_old_one_lives():
     assert old["scale"] == 0.5
 
 
+class _Mode(nn.Module):
+    """A submodule whose output depends on its own training flag."""
+
+    def forward(self, x):
+        return x * 2 if self.training else x * 3
+
+
+class _HoldsMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Mode()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+def _hits_twice(m, ref, x):
+    check(m, eager(ref), x)
+    check(m, eager(ref), x)   # a hit: on 3.12+ the dict clock vouches for the flags
+
+
+def test_training_flag_written_into_the_instance_dict_is_seen():
+    # No setattr, no Module.train(): the flag's dict itself is written.
+    m = nnscaler.compile(_HoldsMode())
+    ref = copy.deepcopy(m)
+    x = torch.randn(3)
+    _hits_twice(m, ref, x)
+    m.inner.__dict__["training"] = False
+    ref.inner.__dict__["training"] = False
+    _hits_twice(m, ref, x)
+    m.inner.__dict__.update(training=True)
+    ref.inner.__dict__.update(training=True)
+    _hits_twice(m, ref, x)
+
+
+def test_training_flag_in_a_replaced_instance_dict_is_seen_while_the_old_one_lives():
+    # The old dict stays alive and unchanged, so no dict event: the flag's module must
+    # be seen reading another dict.
+    m = nnscaler.compile(_HoldsMode())
+    ref = copy.deepcopy(m)
+    x = torch.randn(3)
+    _hits_twice(m, ref, x)
+    old = m.inner.__dict__
+    m.inner.__dict__ = dict(old, training=False)
+    ref.inner.training = False
+    _hits_twice(m, ref, x)
+    assert old["training"] is True
+    m.inner.__dict__ = old
+    ref.inner.training = True
+    _hits_twice(m, ref, x)
+
+
+def test_training_property_added_to_the_class_after_hits_is_honoured():
+    class Mode(_Mode):
+        pass
+
+    class Holds(_HoldsMode):
+        def __init__(self):
+            super().__init__()
+            self.inner = Mode()
+
+    m = nnscaler.compile(Holds())
+    x = torch.randn(3)
+    check(m, lambda x: x * 2 + 1, x)
+    check(m, lambda x: x * 2 + 1, x)
+    # The instance dict is unchanged; only the class now answers `training`.
+    Mode.training = property(lambda self: False, lambda self, value: None)
+    check(m, lambda x: x * 3 + 1, x)
+    check(m, lambda x: x * 3 + 1, x)
+    del Mode.training
+    check(m, lambda x: x * 2 + 1, x)
+
+
+def test_training_property_added_to_an_unread_base_class_is_honoured():
+    # A class in the MRO whose dict the capture never read from: only the type's
+    # version tag tells that `training` now resolves to a property there.
+    class Mixin:
+        pass
+
+    class Mode(_Mode, Mixin):
+        pass
+
+    class Holds(_HoldsMode):
+        def __init__(self):
+            super().__init__()
+            self.inner = Mode()
+
+    m = nnscaler.compile(Holds())
+    x = torch.randn(3)
+    check(m, lambda x: x * 2 + 1, x)
+    check(m, lambda x: x * 2 + 1, x)
+    Mixin.training = property(lambda self: False, lambda self, value: None)
+    check(m, lambda x: x * 3 + 1, x)
+    check(m, lambda x: x * 3 + 1, x)
+    del Mixin.training
+    check(m, lambda x: x * 2 + 1, x)
+
+
+def test_a_flag_module_that_dies_is_never_vouched_for():
+    # The entry holds the flag's module weakly; once it dies (its parent dropped it
+    # and replaced it), a hit must not take the old decision for the new module.
+    m = nnscaler.compile(_HoldsMode())
+    x = torch.randn(3)
+    check(m, lambda x: x * 2 + 1, x)
+    check(m, lambda x: x * 2 + 1, x)
+    fresh = _Mode()
+    fresh.training = False
+    m.inner = fresh   # the old submodule is freed here
+    check(m, lambda x: x * 3 + 1, x)
+    check(m, lambda x: x * 3 + 1, x)
+
+
 def test_unchanged_dicts_are_vouched_for_by_one_clock_on_3_12_plus():
     from nnscaler_eval import _C
     m = nnscaler.compile(Scaled())
