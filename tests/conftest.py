@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nnscaler
-from nnscaler_eval import _C
+from nnscaler_eval import _C, trace_patches, trace_state
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,3 +37,6 @@ def _clean_state():
     # Not is_default_eval_frame(): once torch.compile ran (eager torch.cond does),
     # Dynamo's evaluator stays installed for the process; ours must not be.
     assert not _C.eval_frame_installed(), "our frame evaluator is still installed"
+    # A trace that never left (on any thread) breaks every later test that traces.
+    assert trace_state.current_tracer() is None, "test left a current tracer"
+    assert trace_patches.active_traces() == 0, "test left a trace running"
