@@ -550,12 +550,19 @@ def uninstall(owner: Any) -> None:
     Idempotent: call it again after an interrupt landed inside it. A patched attribute
     somebody replaced while we were tracing is left as they set it (our wrapper is a
     pass-through on other threads, so leaving it in their chain is safe).
+
+    The owner goes first, inline and without the lock (one set operation, atomic
+    under the GIL): a nested trace leaving on a RecursionError has only the few
+    frames of headroom its unwinding gave back, and an extra call here failed there
+    (3.13: the trace stayed registered for good).  Only the last owner out takes the
+    lock, and looks again under it: an install in between keeps the patches.
     """
-    _call_holding(_lock, _uninstall_locked, owner)
-
-
-def _uninstall_locked(owner: Any) -> None:
     _owners.discard(id(owner))
+    if not _owners:
+        _call_holding(_lock, _remove_if_idle)
+
+
+def _remove_if_idle() -> None:
     if not _owners:
         for patch in reversed(_PATCHES):
             patch.remove()
