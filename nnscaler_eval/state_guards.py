@@ -106,6 +106,21 @@ def _is_library_module(module: types.ModuleType) -> bool:
     return filename is None or is_library_file(filename)
 
 
+def _is_library_function(fn: types.FunctionType) -> bool:
+    """Library code: a library file's, or code a library module generated from a
+    string (a dataclass's `__init__`, a namedtuple's `__new__`: filename `<string>`)
+    whose globals are that module's own dict.  Generated code of the user's modules,
+    and code exec'd with globals of its own, stays the user's."""
+    filename = fn.__code__.co_filename
+    if is_library_file(filename):
+        return True
+    if not filename.startswith("<"):
+        return False
+    module = sys.modules.get(fn.__globals__.get("__name__") or "")
+    return (module is not None and getattr(module, "__dict__", None) is fn.__globals__
+            and _is_library_module(module))
+
+
 def _names_of(code: types.CodeType) -> Iterable[str]:
     yield from code.co_names
     for const in code.co_consts:
@@ -143,7 +158,7 @@ class CodeRecorder:
             self.functions.append(fn)
             code = fn.__code__
             self.codes.setdefault(id(code), code)
-            if not is_library_file(code.co_filename):
+            if not _is_library_function(fn):
                 scope = fn.__globals__
                 entry = self.globals.setdefault(id(scope), (scope, set()))
                 entry[1].update(code.co_names)
@@ -167,8 +182,7 @@ class CodeRecorder:
         nested = {id(const) for code in self.codes.values() for const in code.co_consts
                   if isinstance(const, types.CodeType)}
         return [fn for fn in self.functions
-                if not is_library_file(fn.__code__.co_filename)
-                and id(fn.__code__) not in nested]
+                if not _is_library_function(fn) and id(fn.__code__) not in nested]
 
     def global_writes(self) -> list[str]:
         """Globals the user's code that ran can rebind or delete (STORE_GLOBAL /

@@ -688,3 +688,38 @@ def test_eager_type_path_survives_reset_and_finalizers_mid_call():
         got = m(x, _ResetsOnDel())        # the store dies (and resets) after the call
         want = ref(x, _ResetsOnDel())
         torch.testing.assert_close(got, want)
+
+
+def test_generated_code_belongs_to_the_module_that_generated_it():
+    # Dataclass / namedtuple methods are compiled from strings (filename "<string>"):
+    # ours and torch's are library code (no guards on them); the user's stay the
+    # user's, and so does code exec'd with globals of its own.
+    import collections
+    import dataclasses
+
+    from nnscaler_eval import state_guards
+    from nnscaler_eval.capture import Capture
+
+    @dataclasses.dataclass
+    class Point:
+        x: float = 0.0
+
+    UserPair = collections.namedtuple("UserPair", "a b")
+    scope: dict = {}
+    exec("def made(): return 1", scope)
+    library = state_guards._is_library_function
+    assert Capture.__init__.__code__.co_filename.startswith("<")
+    assert library(Capture.__init__)
+    assert not library(Point.__init__)
+    assert not library(UserPair.__new__)
+    assert not library(scope["made"])
+    assert library(torch.nn.functional.dropout)
+
+
+def test_no_state_guard_reads_our_own_code():
+    m = nnscaler.compile(Scaled())
+    x = torch.randn(2, 4)
+    m(x)
+    names = [n for b in _buckets(m) for e in b.entries for n in e.guard_names]
+    assert names and not [n for n in names if "nnscaler_eval" in n or "Capture." in n
+                          or "RunnerSpec" in n], names
