@@ -723,3 +723,44 @@ def test_no_state_guard_reads_our_own_code():
     names = [n for b in _buckets(m) for e in b.entries for n in e.guard_names]
     assert names and not [n for n in names if "nnscaler_eval" in n or "Capture." in n
                           or "RunnerSpec" in n], names
+
+
+def test_a_training_property_that_resets_and_detaches_its_module_during_a_hit():
+    # Python in the middle of the flag check (cache_entry_check reads `training`
+    # through the property): it retires every cache entry, drops the module whose
+    # flag is being read from its parent and collects it.  Nothing may crash, the
+    # call returns what one of the two module trees computes, and later calls are
+    # eager's.
+    import gc
+
+    class Sneaky(nn.Module):
+        armed = False
+
+        @property
+        def training(self):
+            if Sneaky.armed:
+                Sneaky.armed = False
+                nnscaler.reset()
+                holder.inner = _Mode()
+                gc.collect()
+            return self.__dict__.get("_mode", True)
+
+        @training.setter
+        def training(self, value):
+            self.__dict__["_mode"] = value
+
+        def forward(self, x):
+            return x * 2 if self.training else x * 3
+
+    holder = _HoldsMode()
+    holder.inner = Sneaky()
+    m = nnscaler.compile(holder)
+    x = torch.randn(3)
+    check(m, lambda x: x * 2 + 1, x)
+    check(m, lambda x: x * 2 + 1, x)
+    Sneaky.armed = True
+    check(m, lambda x: x * 2 + 1, x)
+    assert isinstance(holder.inner, _Mode) and not isinstance(holder.inner, Sneaky)
+    holder.inner.training = False
+    check(m, lambda x: x * 3 + 1, x)
+    check(m, lambda x: x * 3 + 1, x)
