@@ -68,6 +68,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MARK_SRC = os.path.join(ROOT, "benchmarks", "cgmark.c")
 MARK_LIB = os.path.join(ROOT, "build", "bench_ir", "libcgmark.so")
+BARE_HOOK_SRC = os.path.join(ROOT, "benchmarks", "bare_hook.c")
+BARE_HOOK_LIB = os.path.join(ROOT, "build", "bench_ir",
+                             f"libbare_hook-{sys.implementation.cache_tag}.so")
 
 GROUPS = ["inputs", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax"]
 SIDES = ["eager", "ours", "dynamo"]
@@ -219,16 +222,44 @@ class Marks:
         self.lib.cgmark_dump(label.encode())
 
 
-def build_marks() -> None:
-    """Compile benchmarks/cgmark.c into build/bench_ir/ when it is missing or older."""
-    if os.path.exists(MARK_LIB) and os.path.getmtime(MARK_LIB) >= os.path.getmtime(MARK_SRC):
+def _build_helper(src: str, lib: str, flags: list[str], needs: str) -> None:
+    """Compile one of the benchmark's C helpers into build/bench_ir/ when it is missing
+    or older than its source."""
+    if os.path.exists(lib) and os.path.getmtime(lib) >= os.path.getmtime(src):
         return
-    os.makedirs(os.path.dirname(MARK_LIB), exist_ok=True)
-    out = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", MARK_LIB, MARK_SRC],
+    os.makedirs(os.path.dirname(lib), exist_ok=True)
+    out = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", *flags, "-o", lib, src],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit("bench_ir: could not build benchmarks/cgmark.c (needs gcc and "
-                         "valgrind's headers, <valgrind/callgrind.h>):\n" + out.stderr)
+        raise SystemExit(f"bench_ir: could not build {os.path.relpath(src, ROOT)} (needs "
+                         f"gcc and {needs}):\n" + out.stderr)
+
+
+def build_marks() -> None:
+    """Compile benchmarks/cgmark.c (the client requests) and benchmarks/bare_hook.c (a
+    PEP 523 evaluator that only passes frames on, for the frame_tax group)."""
+    import sysconfig
+
+    _build_helper(MARK_SRC, MARK_LIB, [], "valgrind's headers, <valgrind/callgrind.h>")
+    _build_helper(BARE_HOOK_SRC, BARE_HOOK_LIB, ["-I" + sysconfig.get_paths()["include"]],
+                  "this Python's headers")
+
+
+def _bare_hook_loop(inner: Callable[[int], Any]) -> Callable[[int], Any]:
+    """`inner` run with benchmarks/bare_hook.c's evaluator installed around the loop
+    (installing and removing it is outside the per-call slope: the same in both loops
+    of a pair)."""
+    lib = ctypes.PyDLL(BARE_HOOK_LIB)
+    lib.bare_hook_install.restype = ctypes.c_int
+
+    def loop(n: int) -> Any:
+        if lib.bare_hook_install() != 0:
+            raise RuntimeError("bare_hook: another frame evaluator is installed")
+        try:
+            return inner(n)
+        finally:
+            lib.bare_hook_uninstall()
+    return loop
 
 
 def _fresh(cls: type, tag: str) -> type:
@@ -555,7 +586,10 @@ def plain(x: Any) -> Any:
 def group_frame_tax(quick: bool) -> list[Point]:
     """A forward hook on a submodule (run at hit time: ours keeps hooks as opaque
     nodes) that calls a plain Python function K times, K = 0 and 64; per frame =
-    (Ir(K=64) - Ir(K=0)) / 64 on each side, the tax = that minus eager's."""
+    (Ir(K=64) - Ir(K=0)) / 64 on each side, the tax = that minus eager's.  One more
+    side, 'eager, bare hook': eager with benchmarks/bare_hook.c's evaluator installed,
+    which only passes frames on: what any PEP 523 evaluator costs a frame, so that ours
+    minus it is our own shim."""
     import torch
     from torch import nn
 
@@ -586,8 +620,9 @@ def group_frame_tax(quick: bool) -> list[Point]:
         base = _fresh(Outer, f"ft{k}")(_fresh(Inner, f"ft{k}"))
         base.inner.register_forward_hook(namespace["hook"])
         built, ours = _sides(base, lambda c: c(x), context=torch.no_grad)
-        points.append(Point(f"hook calling a Python function {k} times",
-                            {s: _loop(c, x) for s, c in built.items()},
+        loops = {s: _loop(c, x) for s, c in built.items()}
+        loops["eager, bare hook"] = _bare_hook_loop(_loop(built["eager"], x))
+        points.append(Point(f"hook calling a Python function {k} times", loops,
                             (5, 20) if quick else (10, 50), context=torch.no_grad,
                             ours=ours, params={"frames": k},
                             captures=2))   # the root, and the hooked submodule on its own
@@ -857,6 +892,18 @@ def derive(groups: dict) -> list[dict]:
         "the figure above minus eager's; Dynamo traces the hook into its graph, so no "
         "frame runs there at hit time and its figure is minus one frame, not a tax",
         {s: _sub(slopes[s], slopes["eager"]) for s in ("ours", "dynamo")})
+    bare = _sub(_ir(groups, "frame_tax", k64, "eager, bare hook"),
+                _ir(groups, "frame_tax", k0, "eager, bare hook"))
+    bare = None if bare is None else bare / 64
+    add("any PEP 523 evaluator per frame (tax over eager)",
+        "eager column: eager run under benchmarks/bare_hook.c, an evaluator that only "
+        "hands each frame to CPython's (which stops inlining Python-to-Python calls "
+        "while one is installed), per frame, minus eager's",
+        {"eager": _sub(bare, slopes["eager"])})
+    add("our own shim per non-target frame",
+        "ours per frame minus the bare evaluator's per frame: what our evaluator adds "
+        "to a frame it passes on (the region lookup, the code's state, the decision)",
+        {"ours": _sub(slopes["ours"], bare)})
     first = "1st of 512 instances"
     last = "512th of 512 instances"
     add("512th instance minus 1st (per call)",
@@ -948,14 +995,17 @@ def markdown(data: dict) -> str:
                   "`dynamo code` = Dynamo's transformed code called as a plain function "
                   "(no callback, no guards); `ours check_verbose()` = "
                   "`entry.check_verbose()` of our entry, which the timed guard_check "
-                  "case reports as \"ours state guards\".", "",
+                  "case reports as \"ours state guards\"; `eager, bare hook` = the eager "
+                  "module run under an evaluator that only passes frames on "
+                  "(benchmarks/bare_hook.c).", "",
                   "| group | point | eager body | ours runner | dynamo code | "
-                  "ours check_verbose() |", "|---|---|---|---|---|---|"]
+                  "ours check_verbose() | eager, bare hook |", "|---|---|---|---|---|---|---|"]
         for g, p in extra:
             ir = p["ir"]
             lines.append(f"| {g} | {p['name']} | {_cell(ir.get('eager body'))} | "
                          f"{_cell(ir.get('ours runner'))} | {_cell(ir.get('dynamo code'))} | "
-                         f"{_cell(ir.get('ours check_verbose'))} |")
+                         f"{_cell(ir.get('ours check_verbose'))} | "
+                         f"{_cell(ir.get('eager, bare hook'))} |")
     scoped = [(g, p) for g in GROUPS for p in groups.get(g, {}).get("points", [])
               if p.get("guard_scope")]
     if scoped:

@@ -19,6 +19,7 @@ static PyObject *arm_var;               /* owned: the ContextVar of context regi
 static PyObject *thread_guard_key;      /* owned: key of the ThreadGuard in the thread dict */
 
 _Thread_local ThreadArm arm_thread;
+ArmHot arm_hot;
 
 static void
 install_hook(void)
@@ -139,6 +140,7 @@ arm_state_traverse(ArmState *self, visitproc visit, void *arg)
 static int
 arm_state_clear(ArmState *self)
 {
+    arm_hot_forget();   /* its config and target are about to go */
     Py_CLEAR(self->config);
     Py_CLEAR(self->target);
     Py_CLEAR(self->home);
@@ -198,6 +200,7 @@ arm_thread_refresh(PyThreadState *ts, ThreadArm *arm, ArmState **out)
 static inline void
 context_state_forget(void)
 {
+    arm_hot_forget();
     arm_thread.ts_id = 0;
     arm_thread.state = NULL;
 }
@@ -224,6 +227,7 @@ arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *hom
     saved->target = (now && target != NULL) ? Py_NewRef(target) : NULL;
     saved->home = (now && home != NULL) ? Py_NewRef(home) : NULL;
     saved->seq = arm_seq;
+    arm_hot_forget();
     if (now) {
         PyObject *outer_config, *outer_target;
         RegionCount *outer = NULL;
@@ -252,6 +256,7 @@ arm_pop(ArmSaved *saved)
     PyObject *home = saved->home;
     /* LIFO by construction (C nesting); unlink by search all the same, so that a
      * mistake can only leave a region open, never a dangling pointer. */
+    arm_hot_forget();   /* before the config can be freed below */
     ArmSaved **link = &arm->calls;
     while (*link != NULL && *link != saved) {
         link = &(*link)->outer;
@@ -331,6 +336,7 @@ token_close(ArmToken *token, int why)
         token->next = token->prev_token = NULL;
     }
     if (token->state != NULL) {
+        arm_hot_forget();
         token->state->active = 0;
         count_close(&token->state->count);
     }

@@ -147,20 +147,12 @@ extern _Thread_local ThreadArm arm_thread;
  * (the lookup failed).  Runs no Python code. */
 int arm_thread_refresh(PyThreadState *ts, ThreadArm *arm, ArmState **out);
 
-/* The innermost region of this thread: its config (NULL: nothing armed), target
- * and count, all borrowed.  Runs no Python. */
-static inline int
-arm_resolve_region(PyThreadState *ts, PyObject **config, PyObject **target,
-                   RegionCount **count)
+/* The innermost of `arm`'s regions, given its context region `state` (borrowed,
+ * may be NULL): config (NULL: nothing armed), target and count, all borrowed. */
+static inline void
+arm_pick(const ThreadArm *arm, ArmState *state, PyObject **config, PyObject **target,
+         RegionCount **count)
 {
-    ThreadArm *arm = &arm_thread;
-    ArmState *state = arm->state;
-    if (arm->ts_id != nns_thread_id(ts) || arm->ctx_ver != nns_thread_context_version(ts) ||
-        (state != NULL && !state->active)) {
-        if (arm_thread_refresh(ts, arm, &state) < 0) {
-            return -1;
-        }
-    }
     ArmSaved *call = arm->calls;
     if (call != NULL && (state == NULL || state->seq <= call->seq)) {
         *config = call->config;
@@ -177,7 +169,74 @@ arm_resolve_region(PyThreadState *ts, PyObject **config, PyObject **target,
         *target = NULL;
         *count = NULL;
     }
+}
+
+/* The innermost region of this thread: its config (NULL: nothing armed), target
+ * and count, all borrowed.  Runs no Python. */
+static inline int
+arm_resolve_region(PyThreadState *ts, PyObject **config, PyObject **target,
+                   RegionCount **count)
+{
+    ThreadArm *arm = &arm_thread;
+    ArmState *state = arm->state;
+    if (arm->ts_id != nns_thread_id(ts) || arm->ctx_ver != nns_thread_context_version(ts) ||
+        (state != NULL && !state->active)) {
+        if (arm_thread_refresh(ts, arm, &state) < 0) {
+            return -1;
+        }
+    }
+    arm_pick(arm, state, config, target, count);
     return 0;
+}
+
+/* The hook's fast path: the region last resolved, for one thread state in one
+ * context, kept in a process-wide slot (GIL-protected) so that the next frame of
+ * the same thread finds it without a thread-local read.  Filled by arm_hot_fill
+ * after a full resolve; emptied by every change to any region (a call region pushed
+ * or popped, a context region armed, disarmed or closed), so that `config` and
+ * `target` (borrowed) are what arm_resolve would return while it matches.  Threads
+ * taking turns refill it once per switch. */
+typedef struct {
+    PyThreadState *ts;       /* NULL: empty */
+    uint64_t ts_id;          /* with the pointer: a thread state freed and another made
+                              * at its address do not match */
+    uint64_t ctx_ver;
+    PyObject *config;        /* borrowed, never NULL: a region is armed */
+    PyObject *target;        /* borrowed or NULL */
+} ArmHot;
+
+extern ArmHot arm_hot;
+
+static inline void
+arm_hot_forget(void)
+{
+    arm_hot.ts = NULL;
+}
+
+/* Remember what arm_resolve(ts) just returned (an armed config). */
+static inline void
+arm_hot_fill(PyThreadState *ts, PyObject *config, PyObject *target)
+{
+    arm_hot.ts = ts;
+    arm_hot.ts_id = nns_thread_id(ts);
+    arm_hot.ctx_ver = nns_thread_context_version(ts);
+    arm_hot.config = config;
+    arm_hot.target = target;
+}
+
+/* 1 with this thread's armed config and target (borrowed) when the slot holds
+ * them, 0 when it does not (arm_resolve has the answer).  No thread-local read, no
+ * call; runs no Python, never raises. */
+static inline int
+arm_resolve_hot(PyThreadState *ts, PyObject **config, PyObject **target)
+{
+    if (arm_hot.ts != ts || arm_hot.ts_id != nns_thread_id(ts) ||
+        arm_hot.ctx_ver != nns_thread_context_version(ts)) {
+        return 0;
+    }
+    *config = arm_hot.config;
+    *target = arm_hot.target;
+    return 1;
 }
 
 /* arm_resolve_region without the count: this thread's config and target

@@ -15,6 +15,31 @@ code_state_free(void *ptr)
     PyMem_Free(cs);
 }
 
+/* Set by code_state_init when nns_code_extra_read finds what the public setter
+ * stored (code_state.h). */
+int code_state_direct;
+
+static CodeState *code_state_new(PyCodeObject *code);
+
+/* 1 when nns_code_extra_read sees a CodeState set through the public API on a
+ * throwaway code object (freed with it, by code_state_free), 0 when it does not,
+ * -1 with an exception set. */
+static int
+direct_read_works(void)
+{
+    PyCodeObject *code = PyCode_NewEmpty("<nnscaler co_extra check>", "check", 1);
+    if (code == NULL) {
+        return -1;
+    }
+    CodeState *cs = code_state_new(code);
+    int works = cs != NULL && nns_code_extra_read(code, nns_globals.code_extra_index) == cs;
+    Py_DECREF(code);
+    if (cs == NULL) {
+        return -1;
+    }
+    return works;
+}
+
 int
 code_state_init(void)
 {
@@ -27,11 +52,16 @@ code_state_init(void)
         return -1;
     }
     nns_globals.code_extra_index = index;
+    int works = direct_read_works();
+    if (works < 0) {
+        return -1;
+    }
+    code_state_direct = works;
     return 0;
 }
 
 CodeState *
-code_state_peek(PyCodeObject *code)
+code_state_peek_api(PyCodeObject *code)
 {
     void *extra = NULL;
     if (nns_code_get_extra((PyObject *)code, nns_globals.code_extra_index, &extra) < 0) {
@@ -117,6 +147,9 @@ code_state_get(PyCodeObject *code)
             cs->rewritten = rewritten;
             cs->n_sites = n_sites;
         }
+    }
+    if (!(cs->flags & CS_FORWARD) && cs->rewritten == NULL) {
+        cs->flags |= CS_PLAIN;
     }
     return cs;
 }

@@ -9,10 +9,13 @@
 
 #include "compat.h"
 #include "cache_table.h"
+#include "nns_globals.h"
 
 enum {
     CS_SKIP = 1 << 0,        /* never intercepted: generators, class bodies, our own code */
     CS_FORWARD = 1 << 1,     /* named "forward" with a first argument: a module forward */
+    CS_PLAIN = 1 << 2,       /* decided: neither a forward nor rewritten, so its frames
+                              * run as they are unless the code is a region's target */
 };
 
 typedef struct CodeState {
@@ -38,7 +41,38 @@ CodeState *code_state_get(PyCodeObject *code);
  * Runs no Python. */
 int code_state_mark_skip(PyCodeObject *code);
 
-/* The existing CodeState or NULL; never creates one, never raises. */
-CodeState *code_state_peek(PyCodeObject *code);
+/* code_state_peek through the public getter (a call into CPython). */
+CodeState *code_state_peek_api(PyCodeObject *code);
+/* 1 once code_state_init found co_extra readable without a call. */
+extern int code_state_direct;
+
+/* The existing CodeState read without a call, or NULL (none, or co_extra is not
+ * readable that way here: code_state_peek then asks CPython).  Never raises. */
+static inline CodeState *
+code_state_peek_direct(PyCodeObject *code)
+{
+    return code_state_direct
+        ? (CodeState *)nns_code_extra_read(code, nns_globals.code_extra_index) : NULL;
+}
+
+/* The existing CodeState or NULL; never creates one, never raises.  Inline: the
+ * evaluator's every frame asks. */
+static inline CodeState *
+code_state_peek(PyCodeObject *code)
+{
+    if (code_state_direct) {
+        return (CodeState *)nns_code_extra_read(code, nns_globals.code_extra_index);
+    }
+    return code_state_peek_api(code);
+}
+
+/* 1 when a frame of `code` (whose state is `cs`) runs as it is in a region armed
+ * with `target` (borrowed, may be NULL), whatever the region's config: skipped code,
+ * or plain code that is not the target.  Runs no Python. */
+static inline int
+code_state_passes(const CodeState *cs, PyObject *code, PyObject *target)
+{
+    return (cs->flags & CS_SKIP) || ((cs->flags & CS_PLAIN) && code != target);
+}
 
 #endif

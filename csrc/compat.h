@@ -153,6 +153,23 @@ nns_code_set_extra(PyObject *code, Py_ssize_t index, void *extra)
 #endif
 }
 
+/* One slot of co_extra read without a call, for the evaluator's every frame.  The
+ * holder is private to Objects/codeobject.c (_PyCodeObjectExtra: the slot count,
+ * then the slots), the same in v3.11.7, v3.12.7, v3.13.15 and v3.14.10; `co_extra`
+ * itself is a public field.  code_state.c checks the layout once, against what the
+ * public setter stored, before relying on it.  Never raises, runs no Python. */
+typedef struct {
+    Py_ssize_t size;
+    void *slots[1];
+} NnsCodeExtraHolder;
+
+static inline void *
+nns_code_extra_read(PyCodeObject *code, Py_ssize_t index)
+{
+    const NnsCodeExtraHolder *holder = (const NnsCodeExtraHolder *)code->co_extra;
+    return holder != NULL && index < holder->size ? holder->slots[index] : NULL;
+}
+
 /* The object a weak reference points to, borrowed, or Py_None once it is dead: what
  * PyWeakref_GET_OBJECT gave before 3.13 deprecated it.  Never raises. */
 static inline PyObject *
@@ -218,6 +235,15 @@ static inline NnsEvalFrameFunc
 nns_default_eval_frame(void)
 {
     return _PyEval_EvalFrameDefault;
+}
+
+/* Hand `frame` to CPython's evaluator from the hook's fast path, outside any
+ * nns_frame_run_enter/leave bracket of its own (so nothing is recorded: only a
+ * bracket's own frame can be handed over, nns_eval_frame_default).  Runs Python. */
+static inline PyObject *
+nns_eval_frame_passthrough(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+{
+    return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
 }
 
 /* Thread-state fields the arming cache keys on (cpython/pystate.h, unchanged in

@@ -237,7 +237,7 @@ capture_state_restore(CaptureThreadState *state)
         Py_DECREF(mode);
     }
     if (frame_record_set != state->recording) {
-        Py_XSETREF(frame_record_set, state->recording);   /* moves our reference */
+        Py_XDECREF(frame_record_replace(state->recording));   /* moves our reference */
     }
     else {
         Py_XDECREF(state->recording);

@@ -32,8 +32,9 @@ eval_frame_init(PyObject *module)
     return arming_init(module, nns_eval_frame);
 }
 
-/* The armed path: `config` and `target` are this frame's region (borrowed, valid
- * until Python runs); never entered with throw_flag. */
+/* The armed path, for frames the fast path in nns_eval_frame did not pass through:
+ * `config` and `target` are this frame's region (borrowed, valid until Python runs);
+ * never entered with throw_flag. */
 static PyObject *
 eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject *target)
 {
@@ -86,19 +87,30 @@ internal_error:
     return frame_run_default(ts, frame, throw_flag);
 }
 
-static PyObject *
-nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+/* Every frame the fast path below did not pass on.  Out of line, so that the fast
+ * path saves few registers and has no stack frame of its own. */
+static __attribute__((noinline)) PyObject *
+eval_frame_slow(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
-    PyObject *config, *target;   /* borrowed from the region, valid until Python runs */
-    if (frame_record_set != NULL) {
+    PyObject *config = NULL, *target = NULL;   /* borrowed from the region, valid
+                                                * until Python runs */
+    if (frame_record_active()) {
         frame_record_note(frame);   /* a capture is running on this thread */
     }
-    if (throw_flag) {
-        return frame_run_default(ts, frame, throw_flag);
+    if (throw_flag) {   /* a generator resumed by throw(): never replaced */
+        return nns_eval_frame_passthrough(ts, frame, throw_flag);
     }
     int resolved = arm_resolve(ts, &config, &target);
-    if (resolved == 0 && config == NULL) {
-        return frame_run_default(ts, frame, throw_flag);
+    if (resolved == 0) {
+        if (config == NULL) {
+            return nns_eval_frame_passthrough(ts, frame, throw_flag);
+        }
+        arm_hot_fill(ts, config, target);   /* the next frame takes the fast path */
+        PyCodeObject *code = nns_frame_code(frame);
+        CodeState *cs = code_state_peek(code);
+        if (cs != NULL && code_state_passes(cs, (PyObject *)code, target)) {
+            return nns_eval_frame_passthrough(ts, frame, throw_flag);
+        }
     }
     /* A frame we return for without running it is ours to clear and pop on 3.12+
      * (compat.h, nns_frame_run_enter). */
@@ -113,4 +125,24 @@ nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
         result = eval_frame_armed(ts, frame, config, target);
     }
     return nns_frame_run_leave(ts, &run, result);
+}
+
+/* The hook.  The fast path is for every frame an armed region runs that is not ours
+ * to replace (torch's Python wrappers under a compiled call, say): with no capture
+ * recording and this thread's region in the hot slot (arming.h), three comparisons
+ * against the thread state, the code's state, and the frame goes to CPython's
+ * evaluator: no thread-local read, no call, no bracket. */
+static PyObject *
+nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+{
+    PyObject *config, *target;   /* borrowed: the hot slot's */
+    if (frame_record_threads == 0 && !throw_flag &&
+        arm_resolve_hot(ts, &config, &target)) {
+        PyCodeObject *code = nns_frame_code(frame);
+        CodeState *cs = code_state_peek_direct(code);
+        if (cs != NULL && code_state_passes(cs, (PyObject *)code, target)) {
+            return nns_eval_frame_passthrough(ts, frame, throw_flag);
+        }
+    }
+    return eval_frame_slow(ts, frame, throw_flag);
 }

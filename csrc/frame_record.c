@@ -2,9 +2,19 @@
 #include "frame_record.h"
 
 _Thread_local PyObject *frame_record_set;
+Py_ssize_t frame_record_threads;
 
 /* Set when an insertion failed: the record is incomplete. */
 static _Thread_local int frame_record_incomplete;
+
+PyObject *
+frame_record_replace(PyObject *set)
+{
+    PyObject *old = frame_record_set;
+    frame_record_threads += (set != NULL) - (old != NULL);
+    frame_record_set = set;
+    return old;
+}
 
 void
 frame_record_note(NnsFrame *frame)
@@ -29,8 +39,7 @@ frame_record_start(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
     if (set == NULL) {
         return NULL;
     }
-    PyObject *previous = frame_record_set;   /* ownership moves to the caller */
-    frame_record_set = set;
+    PyObject *previous = frame_record_replace(set);   /* ownership moves to the caller */
     frame_record_incomplete = 0;
     return previous != NULL ? previous : Py_NewRef(Py_None);
 }
@@ -38,14 +47,13 @@ frame_record_start(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
 PyObject *
 frame_record_stop(PyObject *Py_UNUSED(module), PyObject *previous)
 {
-    PyObject *set = frame_record_set;   /* owned by the slot */
     if (previous != Py_None && !PySet_Check(previous)) {
         PyErr_SetString(PyExc_TypeError,
                         "record_functions_stop(previous): previous must be what "
                         "record_functions_start returned");
         return NULL;
     }
-    frame_record_set = previous != Py_None ? Py_NewRef(previous) : NULL;
+    PyObject *set = frame_record_replace(previous != Py_None ? Py_NewRef(previous) : NULL);
     if (set == NULL) {
         set = PySet_New(NULL);
         if (set == NULL) {
@@ -60,8 +68,7 @@ frame_record_stop(PyObject *Py_UNUSED(module), PyObject *previous)
 PyObject *
 frame_record_pause(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(noargs))
 {
-    PyObject *set = frame_record_set;   /* ownership moves to the caller */
-    frame_record_set = NULL;
+    PyObject *set = frame_record_replace(NULL);   /* ownership moves to the caller */
     return set != NULL ? set : Py_NewRef(Py_None);
 }
 
@@ -73,6 +80,6 @@ frame_record_resume(PyObject *Py_UNUSED(module), PyObject *paused)
                         "record_functions_resume(paused): pass what record_functions_pause returned");
         return NULL;
     }
-    Py_XSETREF(frame_record_set, paused != Py_None ? Py_NewRef(paused) : NULL);
+    Py_XDECREF(frame_record_replace(paused != Py_None ? Py_NewRef(paused) : NULL));
     Py_RETURN_NONE;
 }

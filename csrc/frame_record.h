@@ -11,8 +11,23 @@
 
 #include "compat.h"
 
-/* Owned set of function objects, or NULL when this thread is not recording. */
+/* Owned set of function objects, or NULL when this thread is not recording.  Set
+ * only through frame_record_replace. */
 extern _Thread_local PyObject *frame_record_set;
+/* How many threads have a set now (protected by the GIL): while none has, the
+ * evaluator's every frame tests this global and reads no thread-local. */
+extern Py_ssize_t frame_record_threads;
+
+/* 1 when this thread is recording.  Runs no Python. */
+static inline int
+frame_record_active(void)
+{
+    return frame_record_threads != 0 && frame_record_set != NULL;
+}
+
+/* Put `set` (a new reference moved in, or NULL) in this thread's slot; the set it
+ * held (owned, or NULL) is returned to the caller.  Runs no Python. */
+PyObject *frame_record_replace(PyObject *set);
 
 /* Note the function of `frame` (called by the evaluator while frame_record_set is
  * not NULL).  Never raises: a failed insertion is dropped (the set may then be

@@ -2,6 +2,8 @@
 from types import CodeType
 from typing import Any, Callable, Optional, Sequence
 
+CO_EXTRA_DIRECT: int   # 1: the evaluator reads co_extra without a call into CPython
+
 class ArmToken: ...
 
 class CacheEntry:

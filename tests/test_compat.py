@@ -118,3 +118,10 @@ def test_threads_each_clear_their_own_frames():
         t.join()
     gc.collect()
     assert errors == []
+
+
+def test_the_evaluator_reads_code_state_without_a_call():
+    """csrc/code_state.c checks at import that co_extra is laid out as on every
+    audited CPython (compat.h, nns_code_extra_read); were it not, the evaluator would
+    fall back to CPython's getter on every frame, slower, and this test says so."""
+    assert _C.CO_EXTRA_DIRECT == 1

@@ -258,6 +258,79 @@ def test_outside_enable_frames_are_not_rewritten():
     assert outside_calls == []
 
 
+def _plus_one(x):
+    return x + 1
+
+
+def _times_three(x):
+    return x * 3
+
+
+def _times_five(x):
+    return x * 5
+
+
+def test_a_target_frame_is_told_from_plain_frames_after_every_region_change():
+    """The hook's fast path passes plain frames on from the last region it resolved
+    (arming.h's hot slot).  A compiled call pushing its region (a target code) and
+    popping it must each make the next frame resolve again: the target's frame is
+    captured, and the same code called right after, outside that region, is not."""
+    f = nnscaler.compile(_times_three, backend="eager")
+    x = torch.ones(2)
+    with nnscaler.eval_frame.enable():
+        for _ in range(5):
+            for _ in range(3):
+                _plus_one(x)                         # the slot holds enable()'s region
+            assert torch.equal(f(x), x * 3)          # a target: captured, then hits
+            assert torch.equal(_times_three(x), x * 3)   # plain here: no capture, no hit
+    for _ in range(2):
+        _plus_one(x)
+        assert torch.equal(f(x), x * 3)
+    info = nnscaler.cache_info(f)
+    assert (info.captures, info.hits, info.misses) == (1, 6, 1)
+
+
+def test_threads_taking_turns_each_resolve_their_own_region():
+    """One thread calls a compiled function, another calls the same function's code
+    plainly in a region of its own: the GIL switching between them every few
+    microseconds, each compiled call is a capture or a hit and no plain call is."""
+    f = nnscaler.compile(_times_five, backend="eager")
+    x = torch.ones(2)
+    errors: list[BaseException] = []
+    calls = 300
+
+    def compiled() -> None:
+        try:
+            for _ in range(calls):
+                _plus_one(x)
+                assert torch.equal(f(x), x * 5)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def plain() -> None:
+        try:
+            with nnscaler.eval_frame.enable():
+                for _ in range(calls):
+                    _plus_one(x)
+                    assert torch.equal(_times_five(x), x * 5)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=compiled), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    info = nnscaler.cache_info(f)
+    assert info.captures == 1 and info.captures + info.hits == calls
+
+
 def test_recursion():
     class Tree(torch.nn.Module):
         def __init__(self, depth: int) -> None:
