@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from nnscaler_eval import _C
+from nnscaler_eval import _C, direct_calls
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.trace_patches import REAL_SET_GRAD_ENABLED
 
@@ -213,6 +213,8 @@ class _RunnerWriter:
         self._keepalive: list[Any] = []  # objects whose ids key _bound
         self.values: dict[fx.Node, str] = {}  # node -> expression naming its value
         self.lines: list[str] = []
+        # nodes whose type at hit time is their type at capture (direct_calls.py)
+        self.trusted: set[fx.Node] = set()
 
     # -- globals ---------------------------------------------------------------
 
@@ -399,6 +401,7 @@ class _RunnerWriter:
 
     def write_graph(self, graph_nodes: list[fx.Node], body: list[str]) -> str:
         position = {node: i for i, node in enumerate(graph_nodes)}
+        self.trusted = direct_calls.trusted_nodes(graph_nodes, self.spec.attr_values)
         # Extract nested inputs once, at the top, if the graph uses them.
         for node in graph_nodes:
             if node.op != "placeholder" or not node.users:
@@ -473,6 +476,32 @@ class _RunnerWriter:
         return f"{name} = {expr}"
 
     def expression(self, node: fx.Node) -> str:
+        """`node`'s call; where torch's C entry point does exactly what the wrapper the
+        user called would (direct_calls.py), that call, the wrapper kept for when a
+        TorchFunctionMode is active."""
+        direct = direct_calls.lower(node, self.trusted)
+        if direct is None:
+            return self.called_expression(node)
+        mode_active = self.bind(direct_calls.MODE_ACTIVE, "torch_function_mode_active")
+        return f"{self.called_expression(node)} if {mode_active}() else {self.direct_expression(direct)}"
+
+    def direct_expression(self, call: direct_calls.DirectCall) -> str:
+        def one(arg: Any) -> str:
+            if isinstance(arg, direct_calls.CallAtRunTime):
+                return f"{self.bind(arg.function, _target_hint(arg.function))}()"
+            return self.render(arg)
+
+        parts = [one(a) for a in call.args]
+        if call.method is not None:
+            receiver, parts = self.render_operand(call.args[0]), parts[1:]
+        parts += [f"{k}={one(v)}" for k, v in call.kwargs.items()]
+        if call.method is not None:
+            return f"{receiver}.{call.method}({', '.join(parts)})"
+        function = self.bind(call.function, "C_" + _target_hint(call.function))
+        return f"{function}({', '.join(parts)})"
+
+    def called_expression(self, node: fx.Node) -> str:
+        """`node`'s call as the user made it."""
         args, kwargs = node.args, node.kwargs
         if node.op == "call_method":
             receiver = self.render_operand(args[0])

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from nnscaler_eval import _C, trace_patches
+from nnscaler_eval import _C, direct_calls, trace_patches
 from nnscaler_eval.capture import calls, output
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
@@ -500,6 +500,8 @@ class Tracer(TorchFunctionMode):
             )
         else:
             node = self.create_node("call_function", func, node_args, node_kwargs)
+        if kind in ("method", "function"):
+            node.meta[direct_calls.PLAIN_META] = direct_calls.args_are_plain(args, kwargs)
         dynamic = calls.makes_dynamic_shape(func, kind, target, args, kwargs)
         if self.nodes.dynamic_shape and not dynamic:
             dynamic = self.nodes.dynamic_among((args, kwargs))
