@@ -43,10 +43,7 @@ if debug:
     extra_compile_args += ["-O0", "-g3"]
     undef_macros.append("NDEBUG")
 else:
-    # Link-time optimisation inlines the version layer's one-line accessors
-    # (compat_py3XX.c) into the evaluator's fast path, which then makes no call at all.
-    extra_compile_args += ["-O2", "-flto=auto"]
-    extra_link_args += ["-O2", "-flto=auto"]
+    extra_compile_args += ["-O2"]
 if sanitize:
     flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
              "-fno-sanitize-recover=undefined"]

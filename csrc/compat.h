@@ -52,6 +52,21 @@ PyObject *nns_frame_function(NnsFrame *frame);   /* the PyFunctionObject, or NUL
  * not counted on the object, e.g. an immortal; the tags must stay, the interpreter
  * compares tagged bits): the array is then an untagged copy kept in the bracket. */
 PyObject **nns_frame_localsplus(NnsFrame *frame);
+/* nns_frame_code without a call, for the evaluator's fast path: the word at
+ * `nns_frame_code_offset` in the frame, less the tag bits in `nns_frame_code_tag`
+ * (3.14's tagged stack references; none before).  Each version file derives both
+ * from the struct field and macro its nns_frame_code reads, so the two agree by
+ * construction (eval_frame.c asserts it in debug builds). */
+extern const size_t nns_frame_code_offset;
+extern const uintptr_t nns_frame_code_tag;
+
+static inline PyCodeObject *
+nns_frame_code_inline(NnsFrame *frame)
+{
+    uintptr_t word = *(const uintptr_t *)(const void *)((const char *)frame + nns_frame_code_offset);
+    return (PyCodeObject *)(word & ~nns_frame_code_tag);
+}
+
 /* True when the frame belongs to a generator/coroutine (never intercepted). */
 int nns_frame_is_generator(NnsFrame *frame);
 

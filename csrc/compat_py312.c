@@ -36,6 +36,9 @@ nns_frame_code(NnsFrame *frame)
     return frame->f_code;
 }
 
+const size_t nns_frame_code_offset = offsetof(struct _PyInterpreterFrame, f_code);
+const uintptr_t nns_frame_code_tag = 0;
+
 PyObject *
 nns_frame_function(NnsFrame *frame)
 {

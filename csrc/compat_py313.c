@@ -32,6 +32,9 @@ nns_frame_code(NnsFrame *frame)
     return (PyCodeObject *)frame->f_executable;
 }
 
+const size_t nns_frame_code_offset = offsetof(struct _PyInterpreterFrame, f_executable);
+const uintptr_t nns_frame_code_tag = 0;
+
 PyObject *
 nns_frame_function(NnsFrame *frame)
 {

@@ -40,6 +40,12 @@ nns_frame_code(NnsFrame *frame)
     return (PyCodeObject *)PyStackRef_AsPyObjectBorrow(frame->f_executable);
 }
 
+#ifdef Py_STACKREF_DEBUG
+#  error "nnscaler-eval: stack references of a Py_STACKREF_DEBUG build are not pointers"
+#endif
+const size_t nns_frame_code_offset = offsetof(struct _PyInterpreterFrame, f_executable);
+const uintptr_t nns_frame_code_tag = Py_TAG_BITS;   /* what PyStackRef_AsPyObjectBorrow clears */
+
 PyObject *
 nns_frame_function(NnsFrame *frame)
 {

@@ -15,6 +15,27 @@
 
 /* ---------------------------------------------------------------- ModuleCall */
 
+/* The last "no hooks, and forward is the class's plain function" decision, kept
+ * while nothing it read has changed: the module's __dict__ (identity and version:
+ * an attribute set, a hook dict replaced, an instance `forward`), the four hook dicts
+ * found in it (their versions), and the class (its version tag).  On 3.12+ the dict
+ * clock vouches for all of them at once while it has not moved (compat.h).  The
+ * global hook registries are not in it: their sizes are read on every call. */
+enum { N_HOOK_DICTS = 4 };
+
+typedef struct {
+    PyObject *dict;                        /* borrowed, compared only; NULL: none kept */
+    uint64_t dict_version;
+    PyObject *hooks[N_HOOK_DICTS];         /* borrowed: values of `dict` (or NULL), alive
+                                            * while its version holds */
+    uint64_t hook_versions[N_HOOK_DICTS];
+    unsigned int type_tag;                 /* tp_version_tag when decided, never 0 */
+    uint64_t clock;                        /* nns_dict_clock() when last found current;
+                                            * 0: each version is compared */
+    PyObject *forward;                     /* borrowed from the class, alive under its
+                                            * version tag */
+} PlainCall;
+
 typedef struct {
     PyObject_HEAD
     PyObject *module;      /* owned (the module owns us too: a GC-visible cycle) */
@@ -22,6 +43,7 @@ typedef struct {
     PyObject *buckets;     /* owned list: the cache buckets made in this module's calls
                               (their home, GC-visible; cache_table.h) */
     vectorcallfunc vectorcall;
+    PlainCall plain;
 } ModuleCall;
 
 /* 1 when `owner_dict[name]` holds something, 0 when not, -1 on error.  Runs
@@ -42,6 +64,19 @@ dict_nonempty(PyObject *owner_dict, PyObject *name)
     return r;
 }
 
+/* 1 when a global hook registry (torch.nn.modules.module's) holds anything. */
+static int
+global_hooks_present(void)
+{
+    PyObject *globals = nns_globals.global_hook_dicts;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++) {
+        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* 1 when calling the module must go through _call_impl (hooks present), 0 when
  * not, -1 on error.  May run Python (see dict_nonempty): the module's __dict__ is
  * held while it is read. */
@@ -50,11 +85,8 @@ module_has_hooks(PyObject *module)
 {
     int result = 1;
     PyObject *dict = NULL;   /* owned */
-    PyObject *globals = nns_globals.global_hook_dicts;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++) {
-        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0) {
-            goto done;
-        }
+    if (global_hooks_present()) {
+        goto done;
     }
     PyObject *own = nns_object_dict(module);
     if (own == NULL) {
@@ -128,6 +160,74 @@ call_unbound(PyObject *fn, PyObject *module, PyObject *const *args, size_t nargs
     return result;
 }
 
+/* Borrowed `forward` of the kept decision when it still holds for `module`, else
+ * NULL.  Runs no Python, never raises. */
+static PyObject *
+plain_call_kept(PlainCall *kept, PyObject *module)
+{
+    if (kept->dict == NULL || global_hooks_present()) {
+        return NULL;
+    }
+    PyObject *dict = nns_object_dict(module);
+    if (dict != kept->dict || Py_TYPE(module)->tp_version_tag != kept->type_tag) {
+        return NULL;
+    }
+    uint64_t clock = nns_dict_clock();
+    if (clock != 0 && clock == kept->clock) {
+        return kept->forward;   /* no watched dict changed since it was found current */
+    }
+    /* The module dict first: while its version holds, the hook dicts it names are
+     * the ones recorded, and alive. */
+    if (nns_dict_version(dict) != kept->dict_version) {
+        return NULL;
+    }
+    for (int i = 0; i < N_HOOK_DICTS; i++) {
+        if (kept->hooks[i] != NULL &&
+            nns_dict_version(kept->hooks[i]) != kept->hook_versions[i]) {
+            return NULL;
+        }
+    }
+    kept->clock = clock;
+    return kept->forward;
+}
+
+/* Keep "no hooks, plain `forward`" for `module`, when every dict it rests on can be
+ * versioned (its hook entries are exact dicts); else keep nothing.  Runs no Python. */
+static void
+plain_call_keep(PlainCall *kept, PyObject *module, PyObject *forward)
+{
+    kept->dict = NULL;
+    PyObject *dict = nns_object_dict(module);
+    unsigned int tag = Py_TYPE(module)->tp_version_tag;
+    if (dict == NULL || tag == 0 || !PyType_HasFeature(Py_TYPE(module), Py_TPFLAGS_VALID_VERSION_TAG)) {
+        return;
+    }
+    PyObject *names[N_HOOK_DICTS] = {
+        nns_globals.str_forward_hooks, nns_globals.str_forward_pre_hooks,
+        nns_globals.str_backward_hooks, nns_globals.str_backward_pre_hooks};
+    int all_watched = nns_dict_watched(dict);
+    for (int i = 0; i < N_HOOK_DICTS; i++) {
+        PyObject *hooks = PyDict_GetItemWithError(dict, names[i]);   /* borrowed */
+        if (hooks == NULL && PyErr_Occurred()) {
+            PyErr_Clear();
+            return;
+        }
+        if (hooks != NULL && !PyDict_Check(hooks)) {
+            return;   /* its emptiness is its __bool__: asked on every call */
+        }
+        kept->hooks[i] = hooks;
+        if (hooks != NULL) {
+            kept->hook_versions[i] = nns_dict_version(hooks);
+            all_watched = all_watched && nns_dict_watched(hooks);
+        }
+    }
+    kept->dict_version = nns_dict_version(dict);
+    kept->type_tag = tag;
+    kept->forward = forward;
+    kept->clock = all_watched ? nns_dict_clock() : 0;
+    kept->dict = dict;
+}
+
 /* Reentrancy: the hook check and the attribute read may run Python that deletes
  * this wrapper from the module or the module's other references; the module and
  * the target are held for the whole call, the config and the home by the call
@@ -142,6 +242,14 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     PyObject *target = NULL;
     ArmSaved saved;
 
+    PyObject *kept = plain_call_kept(&self->plain, module);
+    if (kept != NULL) {
+        target = Py_NewRef(kept);
+        arm_push_home(&saved, self->config, NULL, self->buckets);
+        result = call_unbound(target, module, args, nargsf, kwnames);
+        arm_pop(&saved);
+        goto done;
+    }
     int hooks = module_has_hooks(module);
     if (hooks < 0) {
         goto done;
@@ -150,6 +258,7 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
         /* What _call_impl does without hooks is call forward: take the function
          * from the class when nothing can intercept the lookup. */
         if ((target = plain_forward(module)) != NULL) {
+            plain_call_keep(&self->plain, module, target);
             arm_push_home(&saved, self->config, NULL, self->buckets);
             result = call_unbound(target, module, args, nargsf, kwnames);
             arm_pop(&saved);

@@ -107,6 +107,7 @@ eval_frame_slow(PyThreadState *ts, NnsFrame *frame, int throw_flag)
         }
         arm_hot_fill(ts, config, target);   /* the next frame takes the fast path */
         PyCodeObject *code = nns_frame_code(frame);
+        assert(code == nns_frame_code_inline(frame));
         CodeState *cs = code_state_peek(code);
         if (cs != NULL && code_state_passes(cs, (PyObject *)code, target)) {
             return nns_eval_frame_passthrough(ts, frame, throw_flag);
@@ -138,7 +139,7 @@ nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
     PyObject *config, *target;   /* borrowed: the hot slot's */
     if (frame_record_threads == 0 && !throw_flag &&
         arm_resolve_hot(ts, &config, &target)) {
-        PyCodeObject *code = nns_frame_code(frame);
+        PyCodeObject *code = nns_frame_code_inline(frame);
         CodeState *cs = code_state_peek_direct(code);
         if (cs != NULL && code_state_passes(cs, (PyObject *)code, target)) {
             return nns_eval_frame_passthrough(ts, frame, throw_flag);

@@ -415,3 +415,71 @@ def test_submodule_training_expression_is_a_graph_input_too():
     eager, model = pair(Outer())
     toggle_and_compare(eager, model, torch.randn(4, 8), 10)
     assert nnscaler.cache_info(model).captures == 1
+
+
+def _add_forward_hook(m, log):
+    return m.register_forward_hook(lambda mod, args, out: (log.append("hook"), out + 100)[1])
+
+
+def _add_pre_hook(m, log):
+    return m.register_forward_pre_hook(lambda mod, args: (log.append("pre"), (args[0] * 3,))[1])
+
+
+def _replace_hook_dict(m, log):
+    from collections import OrderedDict
+    m._forward_hooks = OrderedDict({12345: lambda mod, args, out: (log.append("dict"), out - 1)[1]})
+
+
+def _store_into_hook_dict(m, log):
+    m._forward_hooks[12345] = lambda mod, args, out: (log.append("store"), out - 2)[1]
+
+
+def _global_hook(m, log):
+    return torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: (log.append("global"), out + 5)[1] if mod is m else out)
+
+
+def _instance_forward(m, log):
+    m.forward = lambda x: (log.append("instance"), x * 7)[1]
+
+
+def _class_forward(m, log):
+    type(m).forward = lambda self, x: (log.append("class"), x * 9)[1]
+
+
+def _class_swapped(m, log):
+    m.__class__ = type("Swapped", (type(m),), {"forward": lambda self, x: (log.append("swap"), x - 4)[1]})
+
+
+@pytest.mark.parametrize("change", [_add_forward_hook, _add_pre_hook, _replace_hook_dict,
+                                    _store_into_hook_dict, _global_hook, _instance_forward,
+                                    _class_forward, _class_swapped])
+def test_the_root_call_path_follows_every_change_after_it_was_remembered(change):
+    """The compiled root's call keeps its "no hooks, the class's own forward" decision
+    under the versions of what it read (csrc/compiled_call.c, PlainCall): hooks added
+    or swapped in any way, an instance or class `forward`, a new class: each is seen by
+    the next call, as eager sees it."""
+    def doubler() -> nn.Module:   # a class of its own per side: some changes are to it
+        class Doubler(nn.Module):
+            def forward(self, x):
+                return x * 2
+        return Doubler()
+
+    eager, model = doubler(), nnscaler.compile(doubler())
+    x = torch.ones(2)
+    for _ in range(3):   # captured, then hits: the decision is kept
+        torch.testing.assert_close(model(x), eager(x))
+    eager_log: list[str] = []
+    ours_log: list[str] = []
+    handles = [change(eager, eager_log), change(model, ours_log)]
+    try:
+        for _ in range(3):
+            torch.testing.assert_close(model(x), eager(x))
+        assert ours_log == eager_log and len(ours_log) == 3
+    finally:
+        for h in handles:
+            if h is not None:
+                h.remove()
+    if handles[0] is not None:   # removed: back to the plain path
+        torch.testing.assert_close(model(x), eager(x))
+        assert ours_log == eager_log and len(ours_log) == 3
