@@ -840,6 +840,17 @@ def _ir(groups: dict, group: str, point: str, side: str) -> Optional[float]:
     return None
 
 
+def _fn(groups: dict, group: str, point: str, side: str, figure: str) -> Optional[float]:
+    """Inclusive instructions per call of `figure` (a function group of the same-scope
+    guard check, e.g. "key") at one point."""
+    for p in groups.get(group, {}).get("points", []):
+        if p["name"] == point:
+            f = ((p["ir"].get(side) or {}).get("functions") or {}).get(figure)
+            if f and "per_call" in f:
+                return f["per_call"]
+    return None
+
+
 def _sub(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else a - b
 
@@ -873,6 +884,14 @@ def derive(groups: dict) -> list[dict]:
             (s, _sub(_ir(groups, "inputs", "32 inputs", s), _ir(groups, "inputs", "32 inputs", "eager body")),
              _sub(_ir(groups, "inputs", "1 input", s), _ir(groups, "inputs", "1 input", "eager body")))
             for s in SIDES)})
+    key_32 = _sub(_fn(groups, "inputs", "32 inputs", "ours", "key"),
+                  _fn(groups, "inputs", "1 input", "ours", "key"))
+    add("key instructions per tensor input",
+        "(inclusive call_key_build at 32 inputs - at 1 input) / 31: the per-call key's "
+        "cost per tensor (metadata, aliasing, hashing), free of the noise the adds' "
+        "bodies put in the figure above (their allocations move by a few k Ir between "
+        "runs)",
+        {"ours": None if key_32 is None else key_32 / 31})
     for depth in (1, 12, 48):
         point = f"stack, depth {depth}"
         add(f"hit overhead over its own compiled body, stack depth {depth}",

@@ -412,3 +412,37 @@ def test_tensors_past_the_alias_limit_say_so():
     line = _only_entry(g).key_description[1]
     assert line.count("aliasing not tracked") == 2
     assert line.endswith("same tensor as #0[0])")
+
+
+def _sum8(a, b, c, d, e, f, g, h):
+    return a + b + c + d + e + f + g + h
+
+
+def _sum8_other(a, b, c, d, e, f, g, h):
+    return a - b + c - d + e - f + g - h
+
+
+def test_a_key_built_inside_another_key_gets_its_own_block():
+    """Keys of more than six inputs borrow one kept block (guards/call_key.c, the
+    spare).  A subclass's getter that calls another compiled function with as many
+    inputs, while the outer key is half built, must not write into the outer key's
+    block: both calls stay correct, and the outer one still hits."""
+    inner = nnscaler.compile(_sum8_other)
+    ones = [torch.full((3,), float(i)) for i in range(8)]
+    inner_results = []
+
+    class Reentrant(torch.Tensor):
+        @property
+        def shape(self):
+            inner_results.append(inner(*ones))
+            return super().shape
+
+    outer = nnscaler.compile(_sum8)
+    xs = [torch.full((3,), float(i)) for i in range(7)]
+    special = torch.full((3,), 10.0).as_subclass(Reentrant)
+    for _ in range(4):
+        got = outer(*xs, special).as_subclass(torch.Tensor)
+        assert torch.equal(got, torch.full((3,), 31.0))
+    assert len(inner_results) >= 4
+    assert all(torch.equal(r, torch.full((3,), -4.0)) for r in inner_results)
+    assert nnscaler.cache_info(outer).hits >= 2 and nnscaler.cache_info(inner).hits >= 2
