@@ -74,6 +74,7 @@ BARE_HOOK_LIB = os.path.join(ROOT, "build", "bench_ir",
 
 GROUPS = ["inputs", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax"]
 SIDES = ["eager", "ours", "dynamo"]
+FRAME_TAX_CALLS = 256   # plain frames per call in the frame_tax group's second point
 
 # Functions whose inclusive instructions make up each system's guard check and entry
 # lookup on a hit (see the module docstring), and the object file they live in.
@@ -585,8 +586,10 @@ def plain(x: Any) -> Any:
 
 def group_frame_tax(quick: bool) -> list[Point]:
     """A forward hook on a submodule (run at hit time: ours keeps hooks as opaque
-    nodes) that calls a plain Python function K times, K = 0 and 64; per frame =
-    (Ir(K=64) - Ir(K=0)) / 64 on each side, the tax = that minus eager's.  One more
+    nodes) that calls a plain Python function K times, K = 0 and FRAME_TAX_CALLS; per
+    frame = (Ir(K=FRAME_TAX_CALLS) - Ir(K=0)) / FRAME_TAX_CALLS on each side, the tax =
+    that minus eager's (K large: a module call moves by ~1 k Ir between runs, which
+    must not move a per-frame figure of tens).  One more
     side, 'eager, bare hook': eager with benchmarks/bare_hook.c's evaluator installed,
     which only passes frames on: what any PEP 523 evaluator costs a frame, so that ours
     minus it is our own shim."""
@@ -611,7 +614,7 @@ def group_frame_tax(quick: bool) -> list[Point]:
 
     x = torch.randn(1, 8)
     points = []
-    for k in (0, 64):
+    for k in (0, FRAME_TAX_CALLS):
         namespace: dict = {"plain": plain}
         exec(compile("def hook(module, args, out):\n"
                      f"    for _ in range({k}):\n"
@@ -901,19 +904,22 @@ def derive(groups: dict) -> list[dict]:
                           _ir(groups, "depth", point, "ours runner")),
              "dynamo": _sub(_ir(groups, "depth", point, "dynamo"),
                             _ir(groups, "depth", point, "dynamo code"))})
-    k0, k64 = "hook calling a Python function 0 times", "hook calling a Python function 64 times"
+    k0 = "hook calling a Python function 0 times"
+    k64 = f"hook calling a Python function {FRAME_TAX_CALLS} times"
     slopes = {s: (None if _sub(_ir(groups, "frame_tax", k64, s), _ir(groups, "frame_tax", k0, s)) is None
-                  else _sub(_ir(groups, "frame_tax", k64, s), _ir(groups, "frame_tax", k0, s)) / 64)
+                  else _sub(_ir(groups, "frame_tax", k64, s), _ir(groups, "frame_tax", k0, s))
+                  / FRAME_TAX_CALLS)
               for s in SIDES}
     add("one plain Python frame run inside the compiled forward",
-        "(Ir with the hook calling plain() 64 times - with 0 times) / 64", slopes)
+        f"(Ir with the hook calling plain() {FRAME_TAX_CALLS} times - with 0 times) / "
+        f"{FRAME_TAX_CALLS}", slopes)
     add("shim per non-target frame (tax over eager)",
         "the figure above minus eager's; Dynamo traces the hook into its graph, so no "
         "frame runs there at hit time and its figure is minus one frame, not a tax",
         {s: _sub(slopes[s], slopes["eager"]) for s in ("ours", "dynamo")})
     bare = _sub(_ir(groups, "frame_tax", k64, "eager, bare hook"),
                 _ir(groups, "frame_tax", k0, "eager, bare hook"))
-    bare = None if bare is None else bare / 64
+    bare = None if bare is None else bare / FRAME_TAX_CALLS
     add("any PEP 523 evaluator per frame (tax over eager)",
         "eager column: eager run under benchmarks/bare_hook.c, an evaluator that only "
         "hands each frame to CPython's (which stops inlining Python-to-Python calls "
