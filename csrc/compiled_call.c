@@ -10,7 +10,11 @@
  */
 #include "compiled_call.h"
 #include "arming.h"
+#include "code_state.h"
+#include "dispatch.h"
+#include "frame_record.h"
 #include "nns_globals.h"
+#include "tensor_meta.h"
 #include "structmember.h"
 
 /* ---------------------------------------------------------------- ModuleCall */
@@ -228,6 +232,45 @@ plain_call_keep(PlainCall *kept, PyObject *module, PyObject *forward)
     kept->dict = dict;
 }
 
+enum { FRAMELESS_MAX_ARGS = 8 };
+
+/* `forward(module, *args)` for a plain positional call, answered from the cache
+ * without making the forward's frame (dispatch_hit_by_slots), else through the frame
+ * as always.  Frameless only where the frame would add nothing: positional arguments
+ * filling the parameters exactly (no defaults, *args, **kwargs or keyword-only), each
+ * an exact tensor, None or a bool (the key reads them without Python), no capture
+ * recording frames on this thread, not inside a trace callback.  The thread is
+ * armed with the module's config by the caller.  New reference, NULL on error. */
+static PyObject *
+call_forward(ModuleCall *self, PyObject *forward, PyObject *module, PyObject *const *args,
+             size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyCodeObject *code = (PyCodeObject *)PyFunction_GET_CODE(forward);
+    CodeState *cs;
+    if (kwnames != NULL || nargs + 1 > FRAMELESS_MAX_ARGS || code->co_argcount != nargs + 1 ||
+        code->co_kwonlyargcount != 0 || (code->co_flags & (CO_VARARGS | CO_VARKEYWORDS)) ||
+        (cs = code_state_peek(code)) == NULL || !(cs->flags & CS_FORWARD) ||
+        (cs->flags & CS_SKIP) || frame_record_active() ||
+        nns_thread_in_trace_callback(PyThreadState_Get())) {
+        return call_unbound(forward, module, args, nargsf, kwnames);
+    }
+    PyObject *slots[FRAMELESS_MAX_ARGS];
+    slots[0] = module;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *arg = args[i];
+        if (arg != Py_None && !PyBool_Check(arg) && !nns_tensor_exact(arg)) {
+            return call_unbound(forward, module, args, nargsf, kwnames);
+        }
+        slots[i + 1] = arg;
+    }
+    PyObject *result;
+    if (dispatch_hit_by_slots(cs, self->config, module, slots, nargs + 1, &result)) {
+        return result;
+    }
+    return call_unbound(forward, module, args, nargsf, kwnames);
+}
+
 /* Reentrancy: the hook check and the attribute read may run Python that deletes
  * this wrapper from the module or the module's other references; the module and
  * the target are held for the whole call, the config and the home by the call
@@ -246,7 +289,7 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (kept != NULL) {
         target = Py_NewRef(kept);
         arm_push_home(&saved, self->config, NULL, self->buckets);
-        result = call_unbound(target, module, args, nargsf, kwnames);
+        result = call_forward(self, target, module, args, nargsf, kwnames);
         arm_pop(&saved);
         goto done;
     }
@@ -260,7 +303,7 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
         if ((target = plain_forward(module)) != NULL) {
             plain_call_keep(&self->plain, module, target);
             arm_push_home(&saved, self->config, NULL, self->buckets);
-            result = call_unbound(target, module, args, nargsf, kwnames);
+            result = call_forward(self, target, module, args, nargsf, kwnames);
             arm_pop(&saved);
             goto done;
         }

@@ -387,6 +387,76 @@ done:
     return result;
 }
 
+/* The hit lookup both entries share: builds `key` over slots[skip:n] and returns the
+ * matching entry of `*bucket` (new reference), or NULL: no entries, no match, or the
+ * bucket was reset or replaced meanwhile (then *bucket is cleared and the key marked
+ * as having run Python).  -1 on error (exception set).  `*bucket` is owned by the
+ * caller.  Runs Python: tensor-subclass getters, training properties in guards. */
+static int
+lookup_entry(CodeState *cs, PyObject *config, PyObject *owner, CacheBucket **bucket,
+             CallKey *key, PyObject *const *slots, Py_ssize_t n, Py_ssize_t skip,
+             CacheEntry **entry)
+{
+    *entry = NULL;
+    /* entries is NULL only if the self-collected callback ran out of memory */
+    if (*bucket == NULL || (*bucket)->entries == NULL ||
+        PyList_GET_SIZE((*bucket)->entries) == 0) {
+        return 0;
+    }
+    /* Reentrancy: tensor-subclass getters run Python here; it may reset() the caches
+     * or delete modules.  The caller holds the bucket; if it is no longer the live
+     * bucket of this owner afterwards, this is a miss. */
+    if (call_key_build(key, slots + skip, n - skip) < 0) {
+        return -1;
+    }
+    if (find_bucket(cs, config, owner) != *bucket) {
+        key->flags |= CALL_KEY_RAN_PYTHON;   /* something reset() or replaced it */
+        Py_CLEAR(*bucket);
+        return 0;
+    }
+    /* Guard checks may read training properties (Python); the entry is held from
+     * the moment it is returned. */
+    *entry = cache_lookup(*bucket, key);
+    Py_XINCREF(*entry);
+    return 0;
+}
+
+int
+dispatch_hit_by_slots(CodeState *cs, PyObject *config, PyObject *self,
+                      PyObject *const *slots, Py_ssize_t n, PyObject **result)
+{
+    int done = 0;
+    CacheEntry *entry = NULL;
+    CallKey key;
+    call_key_init(&key, 0);
+    CacheBucket *bucket = find_bucket(cs, config, self);   /* owned below */
+    Py_XINCREF(bucket);
+    if (bucket == NULL || cache_bucket_runs_eagerly(bucket, slots + 1, n - 1)) {
+        goto out;   /* the frame path counts the fallback */
+    }
+    if (lookup_entry(cs, config, self, &bucket, &key, slots, n, 1, &entry) < 0) {
+        PyErr_Clear();   /* the frame path meets it again and reports it */
+        goto out;
+    }
+    if (entry == NULL || entry->runner == NULL) {
+        goto out;   /* a miss or a recorded fallback */
+    }
+    int stale;
+    PyObject *r = call_runner(entry, slots, n, &stale);
+    if (stale) {
+        goto out;
+    }
+    entry->hits++;
+    bucket->hits++;
+    *result = r;
+    done = 1;
+out:
+    call_key_release(&key);
+    Py_XDECREF(entry);
+    Py_XDECREF(bucket);
+    return done;
+}
+
 PyObject *
 dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *cs,
                  PyObject *self, PyObject *config)
@@ -417,44 +487,28 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
         result = frame_run_eagerly(ts, frame, cs);
         goto done;
     }
-    /* entries is NULL only if the self-collected callback ran out of memory */
-    if (bucket != NULL && bucket->entries != NULL && PyList_GET_SIZE(bucket->entries) > 0) {
-        /* Reentrancy: tensor-subclass getters run Python here; it may reset() the
-         * caches or delete modules.  We hold the bucket; if it is no longer the
-         * live bucket of this owner afterwards, this is a miss. */
-        if (call_key_build(&key, slots + skip, n - skip) < 0) {
-            goto internal_error;
-        }
-        if (find_bucket(cs, config, owner) != bucket) {
-            key.flags |= CALL_KEY_RAN_PYTHON;   /* something reset() or replaced it */
-            Py_CLEAR(bucket);
+    if (lookup_entry(cs, config, owner, &bucket, &key, slots, n, skip, &entry) < 0) {
+        goto internal_error;
+    }
+    if (entry != NULL) {
+        entry->hits++;
+        if (entry->runner == NULL) {
+            /* A recorded fallback: this key runs eagerly, its callees still
+             * intercepted. Counted as a fallback, not a hit. */
+            bucket->fallbacks++;
+            result = frame_run_eagerly(ts, frame, cs);
         }
         else {
-            /* Guard checks may read training properties (Python); the entry is
-             * held from the moment it is returned. */
-            entry = cache_lookup(bucket, &key);
-            Py_XINCREF(entry);
-        }
-        if (entry != NULL) {
-            entry->hits++;
-            if (entry->runner == NULL) {
-                /* A recorded fallback: this key runs eagerly, its callees still
-                 * intercepted. Counted as a fallback, not a hit. */
+            int stale;
+            bucket->hits++;
+            result = call_runner(entry, slots, n, &stale);
+            if (stale) {
+                bucket->hits--;
                 bucket->fallbacks++;
                 result = frame_run_eagerly(ts, frame, cs);
             }
-            else {
-                int stale;
-                bucket->hits++;
-                result = call_runner(entry, slots, n, &stale);
-                if (stale) {
-                    bucket->hits--;
-                    bucket->fallbacks++;
-                    result = frame_run_eagerly(ts, frame, cs);
-                }
-            }
-            goto done;
         }
+        goto done;
     }
     /* A miss.  The key built for the lookup is this call's key unless code ran
      * since its build began (see handle_miss). */

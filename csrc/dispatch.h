@@ -17,4 +17,15 @@
 PyObject *dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code,
                            CodeState *cs, PyObject *self, PyObject *config);
 
+/* A hit without the forward's frame, for a compiled module called with positional
+ * arguments only (compiled_call.c): `slots` are what the frame's argument slots
+ * would hold (`self` first, borrowed, kept alive by the caller), the thread armed
+ * with `config`.  1 with *result set (the runner's value, or NULL with its
+ * exception) when it was a hit; 0 when the call must take the frame path, having run
+ * nothing that path does not run again but the key's reads and the guards' (the
+ * caller passes only exact tensors, whose reads run no Python).  Counts the hit as
+ * the frame path would. */
+int dispatch_hit_by_slots(CodeState *cs, PyObject *config, PyObject *self,
+                          PyObject *const *slots, Py_ssize_t n, PyObject **result);
+
 #endif

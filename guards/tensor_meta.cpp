@@ -19,6 +19,17 @@ nns_grad_mode(void)
 }
 
 extern "C" int
+nns_tensor_exact(PyObject *obj)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)obj;
+    return 0;
+#else
+    return THPVariableClass != nullptr && THPVariable_CheckTypeExact(Py_TYPE(obj));
+#endif
+}
+
+extern "C" int
 nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta)
 {
 #ifdef NNS_NO_TORCH_HEADERS

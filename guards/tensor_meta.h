@@ -38,6 +38,10 @@ int nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta);
  * never raises. */
 int nns_grad_mode(void);
 
+/* 1 when `obj`'s type is exactly torch.Tensor or nn.Parameter (reading it runs no
+ * Python), else 0 (and always 0 without torch's headers).  Never raises. */
+int nns_tensor_exact(PyObject *obj);
+
 /* The c10::ScalarType of a torch.dtype object, or -1 when `obj` is not one (or the
  * build has no torch headers).  Runs no Python, never raises. */
 int32_t nns_dtype_scalar_type(PyObject *obj);

@@ -483,3 +483,55 @@ def test_the_root_call_path_follows_every_change_after_it_was_remembered(change)
     if handles[0] is not None:   # removed: back to the plain path
         torch.testing.assert_close(model(x), eager(x))
         assert ours_log == eager_log and len(ours_log) == 3
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = 2.0
+
+    def forward(self, x, mask, flag):
+        y = self.lin(x) * self.scale
+        if mask is not None:
+            y = y * mask
+        y = F.dropout(y, p=0.5, training=self.training)
+        return y + 1 if flag else y - 1
+
+
+def test_positional_calls_answered_without_a_forward_frame_stay_equal_to_eager():
+    """Calls with positional tensors, None and bools filling forward's parameters
+    exactly are answered from the cache without making the forward's frame
+    (csrc/compiled_call.c, call_forward).  Every kind of change still reaches them: the
+    arguments' values and shapes, the training flag, an attribute the graph read, a
+    hook, keywords (the frame path), and an error in the graph."""
+    eager, model = pair(Gated())
+    x, mask = torch.randn(3, 4), torch.rand(3, 4)
+    calls = [(x, None, True), (x, mask, False), (x, None, False), (torch.randn(5, 4), mask[:1], True)]
+    for mode in ("train", "eval", "train"):
+        getattr(eager, mode)()
+        getattr(model, mode)()
+        for args in calls * 2:
+            a, b = same_seed_outputs(eager, model, *args)
+            torch.testing.assert_close(a, b, **TOL)
+    hits = nnscaler.cache_info(model).hits
+    assert hits >= 12
+    for m in (eager, model):
+        m.scale = 3.0
+    a, b = same_seed_outputs(eager, model, x, mask, True)
+    torch.testing.assert_close(a, b, **TOL)
+    a, b = same_seed_outputs(eager, model, x, mask=mask, flag=True)   # keywords
+    torch.testing.assert_close(a, b, **TOL)
+    seen = []
+    for m in (eager, model):
+        m.register_forward_hook(lambda mod, args, out: seen.append(1))
+    a, b = same_seed_outputs(eager, model, x, None, True)
+    torch.testing.assert_close(a, b, **TOL)
+    assert seen == [1, 1]
+    with pytest.raises(RuntimeError) as e_eager:
+        eager(torch.randn(3, 5), None, True)
+    with pytest.raises(RuntimeError) as e_ours:
+        model(torch.randn(3, 5), None, True)
+    assert str(e_ours.value) == str(e_eager.value)
+    model(x, None, True)   # still usable
+    assert nnscaler.cache_info(model).hits > hits
