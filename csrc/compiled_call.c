@@ -34,8 +34,9 @@ typedef struct {
                                             * while its version holds */
     uint64_t hook_versions[N_HOOK_DICTS];
     unsigned int type_tag;                 /* tp_version_tag when decided, never 0 */
-    uint64_t clock;                        /* nns_dict_clock() when last found current;
-                                            * 0: each version is compared */
+    int vouched;                           /* every dict above is watched (3.12+): an
+                                            * unmoved clock vouches for them */
+    uint64_t clock;                        /* nns_dict_clock() when last found current */
     PyObject *forward;                     /* borrowed from the class, alive under its
                                             * version tag */
 } PlainCall;
@@ -177,7 +178,7 @@ plain_call_kept(PlainCall *kept, PyObject *module)
         return NULL;
     }
     uint64_t clock = nns_dict_clock();
-    if (clock != 0 && clock == kept->clock) {
+    if (kept->vouched && clock == kept->clock) {
         return kept->forward;   /* no watched dict changed since it was found current */
     }
     /* The module dict first: while its version holds, the hook dicts it names are
@@ -228,7 +229,8 @@ plain_call_keep(PlainCall *kept, PyObject *module, PyObject *forward)
     kept->dict_version = nns_dict_version(dict);
     kept->type_tag = tag;
     kept->forward = forward;
-    kept->clock = all_watched ? nns_dict_clock() : 0;
+    kept->vouched = all_watched;
+    kept->clock = nns_dict_clock();
     kept->dict = dict;
 }
 
