@@ -761,3 +761,41 @@ def test_a_training_property_that_resets_and_detaches_its_module_during_a_hit():
     holder.inner.training = False
     check(m, lambda x: x * 3 + 1, x)
     check(m, lambda x: x * 3 + 1, x)
+
+
+def test_a_property_read_by_a_frameless_hit_that_uncompiles_and_rewrites_the_module():
+    # A positional call is answered without the forward's frame (compiled_call.c,
+    # call_forward).  Python in the middle of it (the root's own `training`, read by
+    # the guards) removes the compiled call from the module, swaps the class's
+    # forward and collects: the call finishes with what the graph or eager computes,
+    # nothing crashes, and the module then runs the new forward eagerly.
+    import gc
+
+    class Root(nn.Module):
+        armed = False
+
+        @property
+        def training(self):
+            if Root.armed:
+                Root.armed = False
+                self.__dict__.pop("_compiled_call_impl", None)
+                Root.forward = lambda self, x: x - 100
+                gc.collect()
+            return self.__dict__.get("_mode", True)
+
+        @training.setter
+        def training(self, value):
+            self.__dict__["_mode"] = value
+
+        def forward(self, x):
+            return x * 2 if self.training else x * 3
+
+    m = nnscaler.compile(Root())
+    x = torch.randn(3)
+    check(m, lambda x: x * 2, x)
+    check(m, lambda x: x * 2, x)
+    Root.armed = True
+    got = m(x)
+    assert _same(got, x * 2) or _same(got, x - 100), got
+    check(m, lambda x: x - 100, x)
+    check(m, lambda x: x - 100, x)
