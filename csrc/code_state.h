@@ -60,10 +60,7 @@ code_state_peek_direct(PyCodeObject *code)
 static inline CodeState *
 code_state_peek(PyCodeObject *code)
 {
-    if (code_state_direct) {
-        return (CodeState *)nns_code_extra_read(code, nns_globals.code_extra_index);
-    }
-    return code_state_peek_api(code);
+    return code_state_direct ? code_state_peek_direct(code) : code_state_peek_api(code);
 }
 
 /* 1 when a frame of `code` (whose state is `cs`) runs as it is in a region armed
