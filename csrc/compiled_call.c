@@ -43,7 +43,12 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *module;      /* owned (the module owns us too: a GC-visible cycle) */
+    PyObject *module_ref;  /* owned weakref to the module, which owns us (its
+                              _compiled_call_impl): held weakly so that a compiled
+                              module is freed when its last reference goes, as an
+                              eager one is, not at the next cyclic collection (its
+                              tensors, and a DDP/FSDP wrapper's process group, with
+                              it) */
     PyObject *config;      /* owned */
     PyObject *buckets;     /* owned list: the cache buckets made in this module's calls
                               (their home, GC-visible; cache_table.h) */
@@ -273,6 +278,21 @@ call_forward(ModuleCall *self, PyObject *forward, PyObject *module, PyObject *co
     return call_unbound(forward, module, args, nargsf, kwnames);
 }
 
+/* The module, a new reference; NULL with ReferenceError once it was collected (a
+ * wrapper taken out of its module and called later). */
+static PyObject *
+module_call_module(ModuleCall *self)
+{
+    PyObject *module = nns_weakref_object(self->module_ref);
+    if (module == Py_None) {
+        PyErr_SetString(PyExc_ReferenceError,
+                        "nnscaler: this compiled call's module was garbage-collected; "
+                        "compile the module again (nnscaler.compile(module))");
+        return NULL;
+    }
+    return Py_NewRef(module);
+}
+
 /* Reentrancy: the hook check and the attribute read may run Python that deletes
  * this wrapper from the module or the module's other references; the module and
  * the target are held for the whole call, the config and the home by the call
@@ -283,7 +303,10 @@ module_call_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     ModuleCall *self = (ModuleCall *)callable;
     PyObject *result = NULL;
     /* owned */
-    PyObject *module = Py_NewRef(self->module);
+    PyObject *module = module_call_module(self);
+    if (module == NULL) {
+        return NULL;
+    }
     PyObject *target = NULL;
     ArmSaved saved;
 
@@ -338,8 +361,11 @@ module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) {
         return NULL;
     }
-    self->module = Py_NewRef(module);
     self->config = Py_NewRef(config);
+    if ((self->module_ref = PyWeakref_NewRef(module, NULL)) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     self->vectorcall = module_call_vectorcall;
     if ((self->buckets = PyList_New(0)) == NULL) {
         Py_DECREF(self);
@@ -351,7 +377,7 @@ module_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 module_call_traverse(ModuleCall *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->module);
+    Py_VISIT(self->module_ref);
     Py_VISIT(self->config);
     Py_VISIT(self->buckets);
     return 0;
@@ -360,7 +386,7 @@ module_call_traverse(ModuleCall *self, visitproc visit, void *arg)
 static int
 module_call_clear(ModuleCall *self)
 {
-    Py_CLEAR(self->module);
+    Py_CLEAR(self->module_ref);
     Py_CLEAR(self->config);
     Py_CLEAR(self->buckets);
     return 0;
@@ -387,7 +413,13 @@ module_call_reduce(ModuleCall *self, PyObject *Py_UNUSED(ignored))
      * nn.Module.__getstate__ drops _compiled_call_impl, so a copied module is plain,
      * as with torch.compile).  A copied wrapper wraps the same module, with empty
      * caches: buckets are not copied. */
-    return Py_BuildValue("(O(OO))", Py_TYPE(self), self->module, self->config);
+    PyObject *module = module_call_module(self);
+    if (module == NULL) {
+        return NULL;
+    }
+    PyObject *reduced = Py_BuildValue("(O(OO))", Py_TYPE(self), module, self->config);
+    Py_DECREF(module);
+    return reduced;
 }
 
 static PyMethodDef module_call_methods[] = {

@@ -450,6 +450,50 @@ def test_compiled_wrappers_hold_no_cycle_hidden_from_the_gc():
     assert _collected(module_call_after_calls_without_hooks)
 
 
+class _Nested(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+
+    def forward(self, x):
+        return self.inner(x) * (2.0 if self.training else 1.0)
+
+
+def test_compiled_module_is_freed_by_its_last_reference_like_an_eager_one():
+    # No cycle through the compiled call or the capture's leftovers: `del model`
+    # frees the module (and, for a DDP/FSDP wrapper, its process group) at once, not
+    # at whatever cyclic collection comes next (which may be interpreter shutdown).
+    # Its parameters are also held by the generated runner (fx code is cyclic): they
+    # go at the next collection.
+    gc.disable()
+    try:
+        for train in (True, False):
+            m = nnscaler.compile(_Nested().train(train))
+            for _ in range(3):
+                m(torch.ones(3, 2))
+            weight = weakref.ref(m.inner[0].weight)
+            ref = weakref.ref(m)
+            del m
+            assert ref() is None
+            gc.collect()
+            assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_a_compiled_call_outliving_its_module_says_so():
+    m = nnscaler.compile(torch.nn.Linear(2, 2))
+    call = m._compiled_call_impl
+    del m
+    gc.collect()
+    with pytest.raises(ReferenceError, match="module was garbage-collected"):
+        call(torch.ones(2))
+    with pytest.raises(ReferenceError, match="module was garbage-collected"):
+        call.__reduce__()
+    m = nnscaler.compile(torch.nn.Linear(2, 2))   # still usable afterwards
+    assert m(torch.ones(2)).shape == (2,)
+
+
 def test_function_referring_to_its_wrapper_through_a_closure_is_collectable():
     def function_referring_to_its_wrapper():
         box: list = []

@@ -205,8 +205,14 @@ class Tracer(TorchFunctionMode):
         if lazy_flag is not None:
             _lazy_graph_module._use_lazy_graph_module_flag = lazy_flag
         if final:
-            # An exception's traceback may keep this tracer alive: not its tensors.
+            # An exception's traceback may keep this tracer alive: not its tensors. And
+            # the tracer is cyclic garbage once the capture is made (its flags name it):
+            # it must not hold the modules or the call's arguments until the next
+            # cyclic collection (`del model` frees a compiled model at once, as eager).
             self.nodes.forget()
+            self.modules.forget()
+            self.slots = ()
+            self.fn = self.root = None
 
     def _prepare(self) -> None:
         # Placeholders: every tensor leaf of the slots.

@@ -48,6 +48,13 @@ class TrackedModules:
         self.snapshots: dict[int, dict[str, tuple[Any, Any]]] = {}
         self.opaque: dict[int, nn.Module] = {}
 
+    def forget(self) -> None:
+        """Let go of every module once the capture is made (tables rebound, not
+        cleared: the Capture holds some of these lists)."""
+        self.swapped, self.live, self.flag_nodes = {}, {}, {}
+        self.training_inputs, self.branched, self.visited = [], {}, {}
+        self.snapshots, self.opaque = {}, {}
+
     # -- flags ---------------------------------------------------------------------
 
     def swap_training(self, module: nn.Module) -> None:
