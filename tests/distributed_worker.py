@@ -8,6 +8,7 @@ cache counters to a file.
 import copy
 import datetime
 import faulthandler
+import gc
 import os
 import sys
 
@@ -17,7 +18,15 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 STEPS = 5
-WATCHDOG_S = int(os.environ.get("NNS_WORKER_WATCHDOG_S", "240"))
+WATCHDOG_S = int(os.environ.get("NNS_WORKER_WATCHDOG_S", "180"))
+
+# A process that hangs anywhere (start-up, a collective, teardown, interpreter exit)
+# prints every thread's stack and exits, so the test fails with the place it hung.
+# Armed at import: in the launcher and, since spawn re-imports this file, in each
+# rank from its start; never cancelled (a process that ends in time ends it). The
+# launcher's fires later than the ranks', so theirs come first.
+faulthandler.dump_traceback_later(WATCHDOG_S + (30 if __name__ == "__main__" else 0),
+                                  exit=True)
 
 
 class Block(nn.Module):
@@ -74,9 +83,6 @@ def full_state(model):
 
 
 def run(rank, world, kind, port, out):
-    # A rank that hangs prints every thread's stack and exits, so the test fails
-    # with the place it hung instead of a bare subprocess timeout.
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=WATCHDOG_S))
     import nnscaler
@@ -91,10 +97,14 @@ def run(rank, world, kind, port, out):
         results[mode + "_state"] = full_state(model)
         if mode == "compiled":
             results["cache_info"] = tuple(nnscaler.cache_info(model))
+        # The wrapper (and the process group it holds) goes now, while every rank
+        # is alive, not during interpreter shutdown.
+        del model
+        gc.collect()
     if rank == 0:
         torch.save(results, out)
+    dist.barrier()
     dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

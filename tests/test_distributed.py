@@ -2,6 +2,7 @@
 with a compiled model equals eager training of the same wrapped model, and the
 compiled one does not recapture per step."""
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,9 +24,19 @@ def test_training_equals_eager_without_recaptures(kind, forwards, tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not built in")
     out = tmp_path / "result.pt"
-    done = subprocess.run([sys.executable, WORKER, kind, str(_free_port()), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # Its own session: on a timeout the ranks go too, not just the launcher. The
+    # worker's watchdogs (180 s, 210 s for the launcher) print stacks before this.
+    worker = subprocess.Popen([sys.executable, WORKER, kind, str(_free_port()), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        stdout, stderr = worker.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        stdout, stderr = worker.communicate()
+        pytest.fail(f"{kind} worker hung past its watchdogs; its output:\n"
+                    f"{stdout[-2000:]}\n{stderr[-6000:]}")
+    assert worker.returncode == 0, stderr[-6000:]
     result = torch.load(out)
     assert result["compiled"] == pytest.approx(result["eager"], abs=1e-6)
     for name, value in result["eager_state"].items():
