@@ -212,6 +212,29 @@ nns_object_dict(PyObject *obj)
     return dictptr != NULL ? *dictptr : NULL;
 }
 
+/* Where `obj` keeps its instance __dict__ pointer, as an offset from the object,
+ * when every instance of its class keeps it there (a managed dict, or a positive
+ * tp_dictoffset), else 0.  Materialises a dict of inline values (as nns_object_dict).
+ * Runs no Python, never raises. */
+static inline Py_ssize_t
+nns_object_dict_offset(PyObject *obj)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (!(tp->tp_flags & Py_TPFLAGS_MANAGED_DICT) && tp->tp_dictoffset <= 0) {
+        return 0;
+    }
+    PyObject **dictptr = _PyObject_GetDictPtr(obj);
+    return dictptr != NULL ? (Py_ssize_t)((char *)dictptr - (char *)obj) : 0;
+}
+
+/* nns_object_dict(obj) for an instance of the class `offset` was taken from
+ * (nns_object_dict_offset): one load.  Runs no Python, never raises. */
+static inline PyObject *
+nns_object_dict_at(PyObject *obj, Py_ssize_t offset)
+{
+    return offset != 0 ? *(PyObject **)((char *)obj + offset) : nns_object_dict(obj);
+}
+
 /* 1 when reading attribute `name` (an interned str) of an instance of `tp` finds
  * an instance __dict__ entry first, running no Python to get there: the type's
  * __getattribute__ is object's and `name` is no data descriptor (property) on the

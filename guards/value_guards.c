@@ -179,6 +179,8 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
             if (ref != NULL) {
                 /* the guard holds the owner weakly and the dict not at all */
                 guard->target = ref;
+                guard->owner_type = (PyTypeObject *)Py_NewRef(Py_TYPE(owner));
+                guard->dict_offset = nns_object_dict_offset(owner);
                 return 0;
             }
             /* not the owner's plain __dict__, or not weakly referenceable: hold
@@ -261,6 +263,7 @@ value_guard_clear(ValueGuard *guard)
     Py_CLEAR(guard->expected);
     Py_CLEAR(guard->missing);
     Py_CLEAR(guard->watched);
+    Py_CLEAR(guard->owner_type);
     PyMem_Free(guard->weak);
     guard->weak = NULL;
     guard->dict = NULL;
@@ -274,10 +277,12 @@ value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg)
     Py_VISIT(guard->expected);
     Py_VISIT(guard->missing);
     Py_VISIT(guard->watched);
+    Py_VISIT(guard->owner_type);
     return 0;
 }
 
-/* The guarded dict, owned; NULL when its owner died (*stale set) or replaced it. */
+/* The guarded dict, owned; NULL when its owner died (*stale set), changed class or
+ * replaced it. */
 static PyObject *
 guarded_dict(ValueGuard *guard, int *stale)
 {
@@ -289,6 +294,9 @@ guarded_dict(ValueGuard *guard, int *stale)
     if (owner == Py_None) {
         *stale = 1;
         return NULL;
+    }
+    if (Py_TYPE(owner) != guard->owner_type) {
+        return NULL;   /* `obj.__class__ = ...`: not stale, the class may come back */
     }
     /* The owner's current __dict__: the guarded one unless `obj.__dict__ = ...`
      * replaced it (then the old dict may be gone: compared by address only). */
@@ -315,7 +323,8 @@ value_guard_dict_is_current(ValueGuard *guard)
     if (owner == Py_None) {
         return -1;
     }
-    return nns_object_dict(owner) == guard->dict;
+    return Py_TYPE(owner) == guard->owner_type &&
+           nns_object_dict_at(owner, guard->dict_offset) == guard->dict;
 }
 
 /* How many of the dict's keys are watched names (a re-validation only).  Walks an

@@ -21,7 +21,8 @@
  *                lists only the watched names it held.
  *                With `owner` (the object whose __dict__ it is), the owner is held
  *                weakly and its __dict__ looked up on each check (the guard holds
- *                neither: a module's __dict__ leads back to the module).
+ *                neither: a module's __dict__ leads back to the module), and its
+ *                class compared by identity (`__class__` assignment moves no dict).
  *   VG_LIST      (1, list, expected): length and items compared on every check (lists
  *                have no version tag).
  *   VG_CELL      (2, cell, expected): a closure cell's content.
@@ -78,6 +79,11 @@ typedef struct {
     int exact;            /* VG_DICT: the dict holds exactly `keys` */
     PyObject *dict;       /* VG_DICT: the dict (== target, or borrowed from the owner:
                              compared by address only, never dereferenced unchecked) */
+    PyTypeObject *owner_type;  /* owned (VG_DICT with an owner): the owner's class when
+                             guarded; `obj.__class__ = Other` moves no dict, and the
+                             attributes it read now come from another class */
+    Py_ssize_t dict_offset;    /* VG_DICT with an owner: where an instance of
+                             owner_type keeps its __dict__ pointer, or 0 (look it up) */
     char *weak;           /* per expected item: 1 when held as a weakref */
     uint64_t version;     /* VG_DICT: version at which `expected` was last validated */
 } ValueGuard;
@@ -98,9 +104,10 @@ int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
 int value_guard_check(ValueGuard *guard);
 
 /* For a VG_DICT reached through its owner, when no watched dict has changed since it
- * last held (compat.h, nns_dict_clock): 1 while the owner lives and its __dict__ is
- * still the guarded dict (whose contents the clock vouches for), 0 when the owner
- * has another __dict__, -1 when the owner died.  Runs no Python, never raises. */
+ * last held (compat.h, nns_dict_clock): 1 while the owner lives, is of the same class
+ * and its __dict__ is still the guarded dict (whose contents the clock vouches for),
+ * 0 when the owner has another class or __dict__, -1 when the owner died.  Runs no
+ * Python, never raises. */
 int value_guard_dict_is_current(ValueGuard *guard);
 
 #endif

@@ -799,3 +799,94 @@ def test_a_property_read_by_a_frameless_hit_that_uncompiles_and_rewrites_the_mod
     assert _same(got, x * 2) or _same(got, x - 100), got
     check(m, lambda x: x - 100, x)
     check(m, lambda x: x - 100, x)
+
+
+# ---- `obj.__class__ = Other` after hits: no dict moves, the code and the class
+# attributes the capture read now come from another class.
+
+class _Twice(nn.Module):
+    factor = 2.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _Thrice(nn.Module):
+    def forward(self, x):
+        return x * 3
+
+
+class _TwiceByHelper(nn.Module):
+    def helper(self, x):
+        return x * 2
+
+    def forward(self, x):
+        return self.helper(x) + 1
+
+
+class _TenfoldByHelper(_TwiceByHelper):
+    """The same forward (same code object), another helper."""
+
+    def helper(self, x):
+        return x * 10
+
+
+class _HoldsTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Twice()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+class _Config:
+    scale = 2.0
+
+
+class _BigConfig:
+    scale = 5.0
+
+
+class _ReadsConfig(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Config()
+
+    def forward(self, x):
+        return x * self.cfg.scale
+
+
+@pytest.mark.parametrize("case", ["submodule", "root same forward", "config object",
+                                  "class attribute"])
+def test_an_object_given_another_class_after_hits_is_seen(case):
+    if case == "submodule":
+        m, target, other = _HoldsTwice(), None, _Thrice
+        target = m.inner
+    elif case == "root same forward":
+        m = _TwiceByHelper()
+        target, other = m, _TenfoldByHelper
+    elif case == "config object":
+        m = _ReadsConfig()
+        target, other = m.cfg, _BigConfig
+    else:   # a subclass that only changes a class attribute the forward read
+        m = _HoldsTwice()
+        target, other = m.inner, type("_Fivefold", (_Twice,), {"factor": 5.0})
+    compiled = nnscaler.compile(m)
+    ref = copy.deepcopy(m)
+    ref_target = {"submodule": lambda r: r.inner, "root same forward": lambda r: r,
+                  "config object": lambda r: r.cfg, "class attribute": lambda r: r.inner}[case](ref)
+    x = torch.randn(3)
+    for _ in range(2):
+        check(compiled, eager(ref), x)
+    original = type(target)
+    target.__class__ = other
+    ref_target.__class__ = other
+    for _ in range(2):
+        check(compiled, eager(ref), x)
+    target.__class__ = original   # and back: the first entry serves again
+    ref_target.__class__ = original
+    captures = nnscaler.cache_info(compiled).captures
+    for _ in range(2):
+        check(compiled, eager(ref), x)
+    assert nnscaler.cache_info(compiled).captures == captures
