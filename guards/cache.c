@@ -61,6 +61,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->flag_dicts);
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
+    PyMem_Free(self->owners);
     PyMem_Free(self->key);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -185,13 +186,18 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
         self->n_values = i + 1;
     }
-    if (nv > 0 && (self->unclocked = PyMem_Calloc(nv, sizeof(Py_ssize_t))) == NULL) {
+    if (nv > 0 && ((self->unclocked = PyMem_Calloc(nv, sizeof(Py_ssize_t))) == NULL ||
+                   (self->owners = PyMem_Calloc(nv, sizeof(OwnerCheck))) == NULL)) {
         PyErr_NoMemory();
         goto error;
     }
     for (Py_ssize_t i = 0; i < nv; i++) {
-        const ValueGuard *guard = &self->values[i];
-        if (!(guard->kind == VG_DICT && guard->target == guard->dict)) {
+        ValueGuard *guard = &self->values[i];
+        if (guard->kind == VG_DICT && guard->owner_type != NULL) {
+            self->owners[self->n_owners++] = (OwnerCheck){
+                guard->target, guard->owner_type, guard->dict, guard->dict_offset, i};
+        }
+        else if (!(guard->kind == VG_DICT && guard->target == guard->dict)) {
             self->unclocked[self->n_unclocked++] = i;
         }
     }
@@ -321,9 +327,25 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         }
     }
     Py_ssize_t base = entry->n_dicts + entry->n_flags;
-    /* With the clock unchanged only the guards it cannot vouch for are looked at:
-     * lists, cells, functions, tensors, global state, and dicts reached through an
-     * owner (which may have died or been given another __dict__). */
+    /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
+     * reached through its owner, that the owner lives, has its class and still has
+     * that dict as its __dict__ (CPython tells nothing of `obj.__class__ = ...` or
+     * `obj.__dict__ = ...`: the floor of a sound check, a few loads per owner); then
+     * lists, cells, functions, tensors and global state. */
+    if (dicts_unchanged) {
+        for (Py_ssize_t k = 0; k < entry->n_owners; k++) {
+            const OwnerCheck *o = &entry->owners[k];
+            PyObject *owner = nns_weakref_object(o->ref);
+            if (owner == Py_None) {
+                *failed = base + o->index;
+                return -1;
+            }
+            if (Py_TYPE(owner) != o->type || nns_object_dict_at(owner, o->offset) != o->dict) {
+                *failed = base + o->index;
+                return 0;
+            }
+        }
+    }
     const Py_ssize_t n = dicts_unchanged ? entry->n_unclocked : entry->n_values;
     for (Py_ssize_t k = 0; k < n; k++) {
         const Py_ssize_t i = dicts_unchanged ? entry->unclocked[k] : k;
@@ -332,8 +354,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             nns_dict_version(guard->dict) == guard->version) {
             continue;   /* the common case, inline: a dict held directly, unchanged */
         }
-        int ok = dicts_unchanged && guard->kind == VG_DICT
-            ? value_guard_dict_is_current(guard) : value_guard_check(guard);
+        int ok = value_guard_check(guard);
         if (ok != 1) {
             *failed = base + i;
             return ok;

@@ -24,6 +24,18 @@
 #include "call_key.h"
 #include "value_guards.h"
 
+/* An owner-reached VG_DICT (values[index]) laid out for the hit path while the dict
+ * clock has not moved: what the clock cannot vouch for, in a few loads (the owner is
+ * alive, has its class, and still has the guarded dict as its __dict__).  Borrowed
+ * from the guard, which owns them. */
+typedef struct {
+    PyObject *ref;             /* the guard's weakref to the owner */
+    PyTypeObject *type;        /* the owner's class when guarded */
+    PyObject *dict;            /* compared by address only */
+    Py_ssize_t offset;         /* nns_object_dict_offset for that class, or 0 */
+    Py_ssize_t index;          /* in values */
+} OwnerCheck;
+
 typedef struct {
     PyObject_HEAD
     PyObject *runner;          /* owned callable, or NULL: run the frame eagerly */
@@ -40,8 +52,10 @@ typedef struct {
     Py_ssize_t n_values;
     ValueGuard *values;        /* owned guards on values the capture read */
     Py_ssize_t n_unclocked;
-    Py_ssize_t *unclocked;     /* PyMem: indices of the value guards that are not plain
-                                  VG_DICTs (those the dict clock cannot vouch for) */
+    Py_ssize_t *unclocked;     /* PyMem: indices of the value guards the dict clock
+                                  cannot vouch for, other than the owners' dicts */
+    Py_ssize_t n_owners;
+    OwnerCheck *owners;        /* PyMem: the owner-reached VG_DICTs */
     PyObject *guard_names;     /* owned tuple of str: dict, flag, then value guards */
     PyObject *info;            /* owned: the Python-side description (explain) */
     unsigned char *key;        /* PyMem block, the stored call key */

@@ -312,21 +312,6 @@ guarded_dict(ValueGuard *guard, int *stale)
     return dict;
 }
 
-int
-value_guard_dict_is_current(ValueGuard *guard)
-{
-    /* guarded_dict's answer without a reference taken: called per module per hit */
-    if (guard->target == guard->dict) {
-        return 1;
-    }
-    PyObject *owner = nns_weakref_object(guard->target);
-    if (owner == Py_None) {
-        return -1;
-    }
-    return Py_TYPE(owner) == guard->owner_type &&
-           nns_object_dict_at(owner, guard->dict_offset) == guard->dict;
-}
-
 /* How many of the dict's keys are watched names (a re-validation only).  Walks an
  * owned copy of the keys: hashing a non-str key may run Python. */
 static Py_ssize_t

@@ -103,11 +103,4 @@ int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
  * the VG_CALL predicate.  The caller must own a reference to whatever holds `guard`. */
 int value_guard_check(ValueGuard *guard);
 
-/* For a VG_DICT reached through its owner, when no watched dict has changed since it
- * last held (compat.h, nns_dict_clock): 1 while the owner lives, is of the same class
- * and its __dict__ is still the guarded dict (whose contents the clock vouches for),
- * 0 when the owner has another class or __dict__, -1 when the owner died.  Runs no
- * Python, never raises. */
-int value_guard_dict_is_current(ValueGuard *guard);
-
 #endif
