@@ -377,7 +377,14 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
         return None
     if not recorder.complete:
         return f"{_NOT_CACHED_RECORD} (out of memory while recording it)"
-    if state_guards.python_rng_state() != rng:
+    now = state_guards.python_rng_state()
+    if now != rng:
+        if now[0] == rng[0] and len(now) > len(rng):
+            # numpy.random was first imported during the capture (torch imports it
+            # lazily, torch.cond's first use for one): whether the forward drew from
+            # it is unknown, so nothing is kept and the next call, which can compare
+            # its state, captures again.
+            return f"{_NOT_CACHED_RECORD} (NumPy's random generator appeared during it)"
         return ("the forward drew numbers from Python's or NumPy's global random "
                 "generator: a graph would bake them in as constants")
     changed = state_guards.mutated_arguments(mutable)

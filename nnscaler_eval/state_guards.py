@@ -477,6 +477,14 @@ def python_rng_state() -> tuple:
     (torch's own generators are graph ops and draw anew on every replay)."""
     state: list[Any] = [random.getstate()]
     np_random = sys.modules.get("numpy.random")
+    if np_random is None and "numpy" in sys.modules:
+        # torch imports numpy but not numpy.random, which torch code then imports
+        # lazily, in the middle of a capture (torch.cond's first use): imported here
+        # first (once, about 6 ms), its state is known before the forward runs.
+        try:
+            import numpy.random as np_random
+        except ImportError:
+            np_random = None
     get_state = getattr(np_random, "get_state", None)
     if get_state is not None:
         name, key, pos, has_gauss, cached = get_state()

@@ -9,6 +9,10 @@ data-dependent Python control flow) are refused with the branch's line.
 from __future__ import annotations
 
 import linecache
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -95,6 +99,28 @@ def test_seed_model_one_capture_across_predicate_changes():
         torch.testing.assert_close(model(x), reference(x), **TOL)
     info = nnscaler.cache_info(model)
     assert info.captures == 1 and info.fallbacks == 0 and info.hits == 3
+
+
+def test_first_torch_cond_of_a_process_is_captured_once():
+    # torch.cond's first use imports numpy.random (torch imports numpy only): a
+    # generator appearing mid-capture once read as "the forward drew random numbers"
+    # and sent the model to eager for good. In a fresh interpreter, where nothing has
+    # imported it yet.
+    code = textwrap.dedent("""
+        import sys
+        import torch, nnscaler
+        assert "numpy.random" not in sys.modules
+        from test_cond import DataDependentCondPredicate, inputs_of_both_signs, reference
+        model = nnscaler.compile(DataDependentCondPredicate())
+        for x in inputs_of_both_signs((3, 3)):
+            torch.testing.assert_close(model(x), reference(x), rtol=1e-6, atol=1e-6)
+        print(tuple(nnscaler.cache_info(model)))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-3000:]
+    captures, hits, misses, fallbacks, entries = eval(done.stdout.strip().splitlines()[-1])
+    assert (captures, hits, fallbacks) == (1, 3, 0), done.stdout
 
 
 def test_seed_model_matches_eager_torch_cond():
