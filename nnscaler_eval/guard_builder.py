@@ -136,6 +136,7 @@ def walk_state(capture: Any, root: Optional[torch.nn.Module], recorder: Any, fn:
         recorder, root, capture.visited_modules, fn, identity_keyed, labels,
         guard_tensor_metadata=bool(getattr(capture, "read_metadata", False)),
         attr_tensors=attr_tensors,
+        metadata_tensors=getattr(capture, "metadata_tensors", ()),
     )
 
 

@@ -52,10 +52,11 @@ MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 # Spec kinds understood by guards/value_guards.c.
 VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS = range(7)
 
-# Bumped whenever nn.Module._apply runs (`.to()`, `.half()`, `.cuda()`, `.float()`...):
-# the one way torch changes parameters' dtype/device/shape in place. Guards on the
-# metadata of parameters, buffers and constants (VG_TENSORS) re-read them only when
-# this dict's version moved. `param.data = ...` written by hand is not seen.
+# Bumped whenever nn.Module._apply runs (`.to()`, `.half()`, `.cuda()`, `.float()`...)
+# or a tensor's `.data` is assigned (`param.data = other`): the ways torch changes
+# parameters' dtype/device/shape in place without touching a module dict. Guards on
+# the metadata of parameters, buffers and constants (VG_TENSORS) re-read them only
+# when this dict's version moved.
 APPLY_EPOCH: dict[str, int] = {"epoch": 0}
 _torch_module_apply = nn.Module._apply
 
@@ -70,6 +71,28 @@ def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _apply.__wrapped__ = _torch_module_apply  # type: ignore[attr-defined]
 if getattr(nn.Module._apply, "__wrapped__", None) is not _torch_module_apply:
     nn.Module._apply = _apply  # type: ignore[method-assign]
+
+# `Tensor.data` is a C getset of torch._C.TensorBase; torch.Tensor (a Python class)
+# gets a property in front of it that does the same and moves the epoch on a set.
+# torch looks the name up on torch.Tensor for __torch_function__ (its getter's
+# `func`), so subclasses see this property's __get__ as they saw the getset's.
+_tensor_base_data = torch._C.TensorBase.__dict__["data"]
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    return _tensor_base_data.__get__(self, type(self))
+
+
+def _set_data(self: torch.Tensor, value: Any) -> None:
+    try:
+        _tensor_base_data.__set__(self, value)
+    finally:
+        APPLY_EPOCH["epoch"] += 1
+
+
+if not isinstance(torch.Tensor.__dict__.get("data"), property):
+    torch.Tensor.data = property(  # type: ignore[assignment]
+        _get_data, _set_data, doc=_tensor_base_data.__doc__)
 
 # nn.Module's own bookkeeping attributes: the module tree and hook dicts are guarded
 # structurally (guard_builder); the others (state-dict hooks, ...) do not shape a
@@ -378,6 +401,7 @@ def build_state_value_guards(
     labels: dict[int, str],
     guard_tensor_metadata: bool,
     attr_tensors: Iterable[torch.Tensor] = (),
+    metadata_tensors: Iterable[torch.Tensor] = (),
 ) -> StateGuardSet:
     """The value guards of one capture; `labels`: id(module) -> path for messages."""
     walk = _StateWalk(recorder.names(), labels)
@@ -395,7 +419,20 @@ def build_state_value_guards(
     for name, value in arguments:
         walk.visit(value, f"argument {name}", 0)
     if guard_tensor_metadata:
-        tensors = list({id(t): t for t in attr_tensors}.values())
+        # Those the graph uses as attributes, and those Python read the metadata of
+        # without the graph using them, when they outlive the call (module state:
+        # parameters, buffers, tensors found in the walk above).
+        read = list(metadata_tensors)
+        if read:
+            state = dict(walk.out.state_tensors)
+            for module in modules:
+                state.update((id(t), t) for t in module.parameters(recurse=False))
+                state.update((id(t), t) for t in module.buffers(recurse=False))
+            if root is not None:
+                state.update((id(t), t) for t in root.parameters())
+                state.update((id(t), t) for t in root.buffers())
+            read = [t for t in read if id(t) in state]
+        tensors = list({id(t): t for t in [*attr_tensors, *read]}.values())
         if tensors:
             with torch._C.DisableTorchFunction():
                 metas = tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors)

@@ -890,3 +890,72 @@ def test_an_object_given_another_class_after_hits_is_seen(case):
     for _ in range(2):
         check(compiled, eager(ref), x)
     assert nnscaler.cache_info(compiled).captures == captures
+
+
+# ---- `param.data = other`: no module dict moves, no Module._apply runs.
+
+class _ReadsWeightShape(nn.Module):
+    """Python reads a parameter's shape; the graph never uses the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x.reshape(self.w.shape[0], -1).sum(0)
+
+
+class _CastsToWeightDtype(nn.Module):
+    """HF's RMSNorm pattern: the input is cast to the weight's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.weight * x.to(self.weight.dtype)
+
+
+@pytest.mark.parametrize("case", ["shape read only", "dtype of a used weight"])
+def test_parameter_data_assigned_after_hits_is_seen(case):
+    if case == "shape read only":
+        m = _ReadsWeightShape()
+        new = lambda p: torch.ones(2)                       # noqa: E731
+        x = torch.arange(8.0)
+    else:
+        m = _CastsToWeightDtype()
+        new = lambda p: p.detach().half() * 3              # noqa: E731
+        x = torch.linspace(0.1, 1.3, 4)
+    compiled = nnscaler.compile(m)
+    ref = copy.deepcopy(m)
+    for _ in range(2):
+        check(compiled, eager(ref), x)
+    param = next(m.parameters())
+    ref_param = next(ref.parameters())
+    param.data = new(param)
+    ref_param.data = new(ref_param)
+    for _ in range(2):
+        check(compiled, eager(ref), x)
+    assert isinstance(param, nn.Parameter) and param.requires_grad
+
+
+def test_tensor_data_property_behaves_as_torchs():
+    p = nn.Parameter(torch.ones(2))
+    d = p.data
+    assert type(d) is torch.Tensor and not d.requires_grad and d.data_ptr() == p.data_ptr()
+    p.data = torch.zeros(3)
+    assert isinstance(p, nn.Parameter) and p.requires_grad and p.shape == (3,)
+    with pytest.raises(TypeError, match="has to be a tensor"):
+        p.data = 3
+
+    class Logged(torch.Tensor):
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(getattr(func, "__name__", func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(2).as_subclass(Logged)
+    assert torch.equal(t.data, torch.ones(2))
+    assert Logged.seen   # the getter still dispatches to __torch_function__

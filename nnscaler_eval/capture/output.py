@@ -77,6 +77,7 @@ def make_capture(
     fallback: Optional[Fallback],
     entry_grad_mode: bool,
     read_metadata: bool,
+    metadata_tensors: list[torch.Tensor],
 ) -> Capture:
     """The Capture of a finished trace: with a GraphModule and a runner spec unless it
     fell back (or its output could not be laid out)."""
@@ -119,6 +120,7 @@ def make_capture(
         runner_spec=runner_spec,
         _example_inputs=nodes.example_inputs if graph_module is not None else [],
         read_metadata=read_metadata,
+        metadata_tensors=metadata_tensors if graph_module is not None else [],
     )
 
 

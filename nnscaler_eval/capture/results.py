@@ -89,6 +89,9 @@ class Capture:
     # Python read tensor metadata (a dtype, a shape) that went into the graph as a
     # constant: then parameters' and constants' metadata is guarded too.
     read_metadata: bool = False
+    # Tensors whose metadata Python read without the graph using them (a parameter
+    # read for its shape only): guarded with the others when they are module state.
+    metadata_tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def make_runner(
         self, compiled: Optional[Callable[..., Any]] = None, *, training_folded: bool = False

@@ -110,6 +110,10 @@ class Tracer(TorchFunctionMode):
         self.nodes = NodeMap(self.root_graph, root)
         self.modules = TrackedModules(self)
         self.read_metadata = False
+        # Tensors whose metadata Python read that no node of the graph stands for (a
+        # parameter read only for its shape or dtype): their metadata shaped the graph
+        # as constants, so the entry guards it (if they are module state).
+        self.metadata_tensors: dict[int, torch.Tensor] = {}
         self.global_state = GlobalState()
 
     # -- state -----------------------------------------------------------------
@@ -486,6 +490,9 @@ class Tracer(TorchFunctionMode):
             verdict, reason = calls.tensorless_result(func, kind, target, result)
             if verdict == "metadata":
                 self.read_metadata = True
+                for tensor in tensors_in(args):
+                    if id(tensor) not in self.nodes.tensor_nodes:
+                        self.metadata_tensors[id(tensor)] = tensor
                 return
             if verdict == "break":
                 self.graph_break(reason)
@@ -640,7 +647,9 @@ class Tracer(TorchFunctionMode):
             fallback=self.fallback,
             entry_grad_mode=self.global_state.entry_grad_mode,
             read_metadata=self.read_metadata,
+            metadata_tensors=list(self.metadata_tensors.values()),
         )
+        self.metadata_tensors = {}
         # The trace's bookkeeping holds every intermediate tensor: drop it now.
         self.nodes.forget()
         return capture
