@@ -481,6 +481,45 @@ def test_compiled_module_is_freed_by_its_last_reference_like_an_eager_one():
         gc.enable()
 
 
+class _DropsItself(torch.nn.Module):
+    """Its forward (or, on a hit, its training flag read by the guards) drops the
+    last other reference to the module and its compiled call, and collects."""
+
+    holder: dict = {}
+
+    @property
+    def training(self):
+        if _DropsItself.holder.pop("armed", False):
+            self.__dict__.pop("_compiled_call_impl", None)
+            _DropsItself.holder.pop("module", None)
+            gc.collect()
+        return self.__dict__.get("_t", True)
+
+    @training.setter
+    def training(self, value):
+        self.__dict__["_t"] = value
+
+    def forward(self, x):
+        return x * 2 if self.training else x + 1
+
+
+@pytest.mark.parametrize("when", [0, 2])   # the capture; a hit (frameless)
+def test_a_module_dropped_while_its_compiled_call_runs_finishes_the_call(when):
+    holder = _DropsItself.holder
+    m = nnscaler.compile(_DropsItself())
+    call = m._compiled_call_impl
+    ref = weakref.ref(m)
+    holder["module"] = m
+    del m
+    x = torch.ones(2)
+    for i in range(when + 1):
+        holder["armed"] = i == when
+        assert torch.equal(call(x), x * 2)
+    assert ref() is None   # the call held it, and let go
+    with pytest.raises(ReferenceError):
+        call(x)
+
+
 def test_a_compiled_call_outliving_its_module_says_so():
     m = nnscaler.compile(torch.nn.Linear(2, 2))
     call = m._compiled_call_impl
