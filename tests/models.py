@@ -76,3 +76,18 @@ class ValueOnly(nn.Module):
     def forward(self, x):
         y = F.dropout(self.lin(x), 0.3, self.training)
         return y * (self.p if self.training else 1.0)
+
+
+def meddling_training(meddle) -> property:
+    """A `training` property that calls `meddle(module)` before answering: Python in
+    the middle of whatever reads the flag (the guards on a hit, the tracer on a
+    capture). The flag itself lives in `__dict__["_mode"]`."""
+
+    def get(self):
+        meddle(self)
+        return self.__dict__.get("_mode", True)
+
+    def set_(self, value):
+        self.__dict__["_mode"] = value
+
+    return property(get, set_)

@@ -24,6 +24,7 @@ import nnscaler
 from nnscaler_eval import _C
 from nnscaler_eval._install import REWRITE_MODE
 from nnscaler_eval.config import CompileConfig
+from models import meddling_training
 
 
 def run_script(code: str, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -481,23 +482,19 @@ def test_compiled_module_is_freed_by_its_last_reference_like_an_eager_one():
         gc.enable()
 
 
+def _drop_itself(module):
+    if _DropsItself.holder.pop("armed", False):
+        module.__dict__.pop("_compiled_call_impl", None)
+        _DropsItself.holder.pop("module", None)
+        gc.collect()
+
+
 class _DropsItself(torch.nn.Module):
-    """Its forward (or, on a hit, its training flag read by the guards) drops the
+    """Its training flag, read by the tracer (capture) or the guards (hit), drops the
     last other reference to the module and its compiled call, and collects."""
 
     holder: dict = {}
-
-    @property
-    def training(self):
-        if _DropsItself.holder.pop("armed", False):
-            self.__dict__.pop("_compiled_call_impl", None)
-            _DropsItself.holder.pop("module", None)
-            gc.collect()
-        return self.__dict__.get("_t", True)
-
-    @training.setter
-    def training(self, value):
-        self.__dict__["_t"] = value
+    training = meddling_training(_drop_itself)
 
     def forward(self, x):
         return x * 2 if self.training else x + 1

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import nnscaler
 from nnscaler_eval.explain import _buckets
 from nnscaler_eval.capture import GraphBreakError
+from models import meddling_training
 
 SCALE = 2.0
 GLOBAL_TENSOR = torch.ones(4)
@@ -771,21 +772,16 @@ def test_a_property_read_by_a_frameless_hit_that_uncompiles_and_rewrites_the_mod
     # nothing crashes, and the module then runs the new forward eagerly.
     import gc
 
+    def uncompile_and_rewrite(module):
+        if Root.armed:
+            Root.armed = False
+            module.__dict__.pop("_compiled_call_impl", None)
+            Root.forward = lambda self, x: x - 100
+            gc.collect()
+
     class Root(nn.Module):
         armed = False
-
-        @property
-        def training(self):
-            if Root.armed:
-                Root.armed = False
-                self.__dict__.pop("_compiled_call_impl", None)
-                Root.forward = lambda self, x: x - 100
-                gc.collect()
-            return self.__dict__.get("_mode", True)
-
-        @training.setter
-        def training(self, value):
-            self.__dict__["_mode"] = value
+        training = meddling_training(uncompile_and_rewrite)
 
         def forward(self, x):
             return x * 2 if self.training else x * 3
