@@ -45,7 +45,12 @@
  * self` into LOAD_FAST_LOAD_FAST (split back before matching); 3.14 loads with
  * LOAD_FAST_BORROW and adds NOT_TAKEN after the jump (dropped with it).  From 3.12 on
  * the compiler also copies a small exit block (`return <value>`) into the first
- * branch instead of jumping to it: find_copied_exit() recognises that copy.
+ * branch instead of jumping to it: find_copied_exit() recognises that copy.  With
+ * that copy an `if self.training:` statement whose bodies end in the same `return`
+ * (or an `assert` of a constant-true test in a `finally:`) compiles to exactly the
+ * instructions of a conditional expression, so the source positions decide: the
+ * first branch of `a if self.training else b` lies left of the condition, a
+ * statement's bodies lie after it (branch_precedes()).
  *
  * The rewritten site, in the original's textual order:
  *
@@ -286,6 +291,28 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
  * self.b.method(arg)`, which must stay a statement. */
 #define MAX_COPIED_EXIT 4
 
+/* Does every located instruction of [start, end) lie before `at` in the source?
+ * `a if self.training else b` puts <a> left of its condition; an `if self.training:`
+ * statement puts both bodies after it.  The two can compile to the same instructions
+ * once the compiler copies a `return` block into each body (3.12+), or once jump
+ * threading gives a statement's branches a common join, so the text decides. */
+static int
+branch_precedes(const NnsInstrList *list, int start, int end, const NnsLocation *at)
+{
+    for (int k = start; k < end; k++) {
+        const NnsLocation *loc = &list->items[k].loc;
+        if (!loc->has_line || (list->items[k].flags & NNS_INSTR_INSERTED)) {
+            continue;
+        }
+        if (loc->end_line > at->line
+            || (loc->end_line == at->line && loc->end_col >= 0 && at->col >= 0
+                && loc->end_col > at->col)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* 3.12+ copy a small block that ends the function (`STORE_FAST y; LOAD_FAST y;
  * RETURN_VALUE`, or a bare RETURN_VALUE) into the branch that would have jumped to
  * it, so the first branch ends with a copy of the join rather than a jump:
@@ -299,10 +326,12 @@ is_value_branch(const NnsInstrList *list, int start, int end, int join,
  * statement, whose tails may have the same instructions but not the same lines.  The copy is
  * dropped by the rewrite.  An exit copy starting with POP_TOP is not taken: the
  * value is then discarded, and the bytecode is that of an `if self.training:`
- * statement (left alone, as on 3.11). */
+ * statement (left alone, as on 3.11).  The first branch must lie left of the
+ * condition in the source (branch_precedes()), or it is a statement's body running
+ * on into the copy of the statement after it. */
 static int
 find_copied_exit(const NnsInstrList *list, int first, int second, const NnsHandler *handler,
-                 int *depth, int *first_end, int *join)
+                 const NnsLocation *condition, int *depth, int *first_end, int *join)
 {
     const NnsInstr *items = list->items;
     if (!nns_opcodes.exit_blocks_copied) {
@@ -319,6 +348,7 @@ find_copied_exit(const NnsInstrList *list, int first, int second, const NnsHandl
         }
         if (!nns_opcode_is_terminator(items[second - 1].opcode)
             || items[copy].opcode == nns_opcodes.op_pop_top
+            || !branch_precedes(list, first, copy, condition)
             || !is_value_branch(list, first, copy, copy, handler, depth)) {
             continue;
         }
@@ -404,11 +434,15 @@ find_site(PyCodeObject *code, const NnsInstrList *list, int cond, int *depth, Si
             return 0;
         }
     }
-    else if (!find_copied_exit(list, first, second, handler, depth, &first_end, &join)) {
+    else if (!find_copied_exit(list, first, second, handler, &items[cond + 1].loc, depth,
+                               &first_end, &join)) {
         return 0;
     }
     else {
         second_end = join;
+    }
+    if (!branch_precedes(list, first, first_end, &items[cond + 1].loc)) {
+        return 0;
     }
     /* Nothing else may enter the site past its first instruction: the dropped jumps
      * and the branches' insides have no place in the new layout to be entered at. */
