@@ -26,6 +26,7 @@ import importlib.util
 import io
 import os
 import time
+import sysconfig
 import types
 import warnings
 
@@ -38,7 +39,10 @@ STDLIB = ["typing", "argparse", "inspect", "email.message", "pydoc", "tkinter",
           "tkinter.ttk", "dataclasses", "asyncio.base_events", "unittest.mock", "logging",
           "http.client", "difflib", "tarfile", "zipfile", "configparser", "optparse",
           "threading", "subprocess", "pathlib", "statistics", "_pydecimal", "turtle",
-          "idlelib.editor", "tkinter.test.test_ttk.test_widgets"]
+          "idlelib.editor"]
+# Files found by path, first existing one of each row: a file CPython moved between
+# versions stays in the corpus (importing `test.test_ttk` to find it would need a display).
+STDLIB_PATHS = [("tkinter/test/test_ttk/test_widgets.py", "test/test_ttk/test_widgets.py")]
 
 TIMINGS = {"code_objects": 0, "seconds": 0.0, "rewritten": 0, "rewritten_seconds": 0.0}
 
@@ -52,6 +56,11 @@ def corpus_files():
             spec = None
         if spec is not None and spec.origin and spec.origin.endswith(".py"):
             files.append(spec.origin)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for candidates in STDLIB_PATHS:
+        found = [os.path.join(stdlib, c) for c in candidates
+                 if os.path.exists(os.path.join(stdlib, c))]
+        files += found[:1]
     torch_spec = importlib.util.find_spec("torch")
     if torch_spec is not None:
         root = os.path.dirname(torch_spec.origin)
