@@ -4,9 +4,9 @@
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
 #   make leakcheck  refcount/memory soak of the C paths
 #   make fuzz    long differential fuzzing of the bytecode rewrite
-#   make test-3.13 / test-3.14   the suite on another CPython (interpreters unpacked
+#   make test-3.12 / 3.13 / 3.14   the suite on another CPython (3.12 from pyenv, others unpacked
 #                from ../shared/python/; skipped with a message when absent)
-#   PYV=3.13 / PYV=3.14 with build, test or fuzz: that version's venv (.venv-3.13 ...)
+#   PYV=3.12 / 3.13 / 3.14 with build, test or fuzz: that version's venv (.venv-3.13 ...)
 #   make bench / bench-quick  side-by-side benchmarks (benchmarks/)
 #   make bench-ir  instructions per call under callgrind, eager / ours / Dynamo
 #                (needs valgrind; BENCH_IR_ARGS="--quick --cases inputs,gpt" ...)
@@ -24,7 +24,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick bench-ir lint clean sysdeps \
-	test-nnscaler nnscaler-env test-3.13 test-3.14
+	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
 # fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
@@ -131,8 +131,8 @@ leakcheck: build
 fuzz: build
 	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q -s tests/test_rewrite_fuzz.py
 
-# The suite on CPython 3.13 / 3.14; a clear SKIP (success) without the interpreters.
-test-3.13 test-3.14:
+# The suite on CPython 3.12 / 3.13 / 3.14; a clear SKIP (success) without the interpreters.
+test-3.12 test-3.13 test-3.14:
 	@if .ci/pyenv.sh --check $(@:test-%=%); then \
 	  $(MAKE) --no-print-directory PYV=$(@:test-%=%) test; \
 	fi

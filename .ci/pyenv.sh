@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepare the virtual environment for one extra CPython version from the prebuilt
-# interpreters in ../shared/python/ (see its README.md).
+# Prepare the virtual environment for one extra CPython version: 3.12 from the image's
+# pyenv, 3.13 and 3.14 from the prebuilt interpreters in ../shared/python/ (its README.md).
 #   .ci/pyenv.sh --check VER   exit 0 if VER can be set up here, else say why and exit 1
 #   .ci/pyenv.sh VER VENV      unpack the interpreter, create VENV, install torch and the
 #                              test dependencies (once; redone when pyproject.toml changes)
@@ -20,6 +20,9 @@ ver=${1:?usage: pyenv.sh [--check] VERSION [VENV]}
 venv=${2:-.venv-$ver}
 
 case "$ver" in
+    # the image's pyenv holds 3.12.1, built --enable-shared with an absolute run path:
+    # used where it is, never unpacked or copied
+    3.12) tarball=; dest=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions/3.12.1; pydir=. ;;
     3.13) tarball=cpython-3.13.15-bookworm-x86_64.tar.xz; dest=$PWD/.pythons; pydir=py313 ;;
     # relocatable only under /opt: its program interpreter is an absolute /opt path
     3.14) tarball=cpython-3.14.10-sid-portable-x86_64.tar.xz; dest=/opt; pydir=py314 ;;
@@ -27,6 +30,10 @@ case "$ver" in
 esac
 python=$dest/$pydir/bin/python$ver
 
+if [ ! -x "$python" ] && [ -z "$tarball" ]; then
+    echo "SKIP Python $ver: $python not found (pyenv's $ver is not installed here)" >&2
+    exit 1
+fi
 if [ ! -x "$python" ] && [ ! -f "${PYDIST:-.}/$tarball" ]; then
     echo "SKIP Python $ver: interpreter tarball $tarball not found" \
          "(looked in ${PYDIST:-../shared/python}; set PYDIST=DIR to point at it)" >&2
@@ -55,7 +62,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install -q)
 "${pip[@]}" --upgrade pip setuptools wheel
-# PyPI's torch for 3.13/3.14 is the CUDA build; install it without its 2.7 GB of
+# PyPI's torch for 3.12/3.13/3.14 is the CUDA build; install it without its 2.7 GB of
 # dependencies, then the smallest NVIDIA set that lets it import (the README measures it).
 "${pip[@]}" --no-deps "torch==2.13.0"
 "${pip[@]}" filelock "typing-extensions>=4.10.0" "setuptools>=77.0.3" "sympy>=1.13.3" \
