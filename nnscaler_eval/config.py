@@ -1,6 +1,8 @@
 """The options of one `nnscaler.compile(...)` / `enable(backend=...)`, checked once."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -20,6 +22,10 @@ class CompileConfig:
     # config (a compiled module's or function's own wrapper owns those of its calls):
     # a GC-visible home, so a cycle through a cache entry can be collected.
     cache_home: list = field(default_factory=list, repr=False, compare=False)
+    # An enable(backend=...) region's config, shared by every region with equal
+    # options (for_region): convert_frame hands each bucket made under it to its
+    # module (RegionCaches), so that the caches live and die with the module.
+    region: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -48,6 +54,25 @@ class CompileConfig:
         return cls(backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit,
                    backend_fn, backend_name)
 
+    @classmethod
+    def for_region(cls, backend: Any, **options: Any) -> "CompileConfig":
+        """The config of an `enable(backend=..., **options)` region: one object for
+        every region with equal options, so the caches a `with` block made are found
+        by the next block with the same options (a new config per block would start
+        from empty tables every time).  The buckets it owns die with their owners
+        (a module or function captured in a region), not with the region."""
+        checked = cls.create(backend=backend, **options)
+        key = (_backend_key(backend), checked.fullgraph, checked.skip_nnmodule_hook_guards,
+               checked.cache_size_limit)
+        config = _REGION_CONFIGS.get(key)
+        if config is None:
+            config = _REGION_CONFIGS[key] = dataclasses.replace(checked, region=True)
+            if len(_REGION_CONFIGS) > _REGION_CONFIGS_KEPT:
+                _REGION_CONFIGS.popitem(last=False)   # regions still open keep theirs
+        else:
+            _REGION_CONFIGS.move_to_end(key)
+        return config
+
     def arm(self, target: Any = None) -> Any:
         """Arm the current context with this config (`_C.disarm` the token)."""
         from nnscaler_eval import _C
@@ -57,3 +82,56 @@ class CompileConfig:
     def __reduce__(self) -> Any:
         return (CompileConfig.create, (self.backend, self.fullgraph,
                                        self.skip_nnmodule_hook_guards, self.cache_size_limit))
+
+
+class RegionCaches(list):
+    """A module's home for the cache buckets made while it was captured in
+    `enable(backend=...)` regions, kept in its `__dict__` under REGION_CACHES (as
+    `_compiled_call_impl` keeps a compiled module's): the module owns its caches, so
+    they die with it, and a cycle through an entry (a hook that is a bound method of
+    the module) is one the garbage collector sees.  Copies and pickles of the module
+    start with no caches."""
+
+    def __copy__(self) -> "RegionCaches":
+        return RegionCaches()
+
+    def __deepcopy__(self, memo: dict) -> "RegionCaches":
+        return RegionCaches()
+
+    def __reduce__(self) -> Any:
+        return (RegionCaches, ())
+
+
+REGION_CACHES = "_nnscaler_region_caches"
+
+
+def adopt_region_bucket(config: CompileConfig, owner: Any, bucket: Any) -> None:
+    """Move `bucket` (made under the region config `config` for `owner`) from the
+    config's home into the owner module's own; once per bucket."""
+    home = config.cache_home
+    for i in range(len(home) - 1, -1, -1):
+        if home[i] is bucket:
+            break
+    else:
+        return   # adopted already
+    caches = owner.__dict__.get(REGION_CACHES)
+    if type(caches) is not RegionCaches:
+        caches = RegionCaches()
+        owner.__dict__[REGION_CACHES] = caches   # not nn.Module.__setattr__: no state write
+    caches[:] = [b for b in caches if not getattr(b, "dead", False)]
+    caches.append(bucket)
+    del home[i]
+
+
+def _backend_key(backend: Any) -> Any:
+    """Equal backends: a name by its text, anything else by identity (a callable
+    defines no equality a cache could rely on)."""
+    return ("name", backend) if isinstance(backend, str) else ("object", id(backend), backend)
+
+
+# Region configs by options, least recently armed first.  Bounded: code that builds a
+# new backend callable per block never finds an equal config, and must not make this
+# grow without end.  The configs hold their backends; a config dropped from here lives
+# on while an open region or a cache entry holds it.
+_REGION_CONFIGS: "collections.OrderedDict[Any, CompileConfig]" = collections.OrderedDict()
+_REGION_CONFIGS_KEPT = 64

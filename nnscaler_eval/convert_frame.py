@@ -29,6 +29,7 @@ import torch
 from nnscaler_eval import _C, logs, state_guards, trace_state
 from nnscaler_eval.compile_awareness import compile_safe_paths
 from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
+from nnscaler_eval.config import adopt_region_bucket
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import ReadContext, build_state_guards, walk_state
 
@@ -226,6 +227,8 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     from nnscaler_eval import capture as tracer
 
     known_codes.add(code)
+    if config.region and isinstance(self, torch.nn.Module):
+        adopt_region_bucket(config, self, bucket)
     where = code_location(code)
     slot_names = tuple(code.co_varnames[: len(slots)])
     first = 1 if self is not None else 0
@@ -260,6 +263,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
+    reachable = state_guards.argument_snapshot(state_guards.forward_namespace_values(fn))
     rng = state_guards.python_rng_state()
     recorder = state_guards.CodeRecorder()
     with recorder, compile_safe_paths():
@@ -268,7 +272,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     # The state walk serves value guards, which only entries with a graph get.
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())
-    unsound = _unreplayable(capture, recorder, mutable, found, self, rng)
+    unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
     if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
         at_fault = _mutated_types_of(mutable, arguments)
         _remember_mutated_types(code, at_fault)
@@ -279,6 +283,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
             _make_entry(config, tracer.Capture(None, None, fallback, [], [], [], [],
                                                slot_names), code, self, key, where)
             _add_eager_types(bucket, at_fault, str(fallback))
+            bucket.fallbacks += 1
             return capture.result, None
     if unsound is not None:
         if config.fullgraph:
@@ -287,6 +292,11 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
             capture.fallback = tracer.Fallback(unsound, *_forward_line(code))
             capture.graph_module = None
             capture.runner_spec = None
+    if capture.fallback is not None:
+        # The trace ran the forward for real and fell back: this call's result is
+        # eager's, and cache_info() counts it as a call run eagerly (C counts the
+        # calls it runs eagerly itself: cached fallbacks, the limit, early ones).
+        bucket.fallbacks += 1
     if capture.fallback is not None and capture.fallback.reason.startswith(
             (_NOT_CACHED, _NOT_CACHED_RECORD)):
         # Caching this capture's fallback would send later, ordinary calls with the
@@ -366,7 +376,7 @@ def _mutated_before(code: Any, names: tuple[str, ...],
 
 
 def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
-                  self: Any, rng: tuple) -> Optional[str]:
+                  self: Any, rng: tuple, reachable: list = ()) -> Optional[str]:
     """Why replaying this capture would not do what eager does, or None.
 
     Side effects on arguments and globals are not part of the graph, and an input
@@ -393,6 +403,11 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
     written = recorder.global_writes()
     if written:
         return f"side effect on globals: the forward wrote global {written[0]!r}"
+    changed = state_guards.mutated_arguments(reachable)
+    if changed is not None:
+        # `log.append(...)` on a global or closure list: not part of the graph, and
+        # the guards, taken after the capture, would see nothing change
+        return f"side effect on state: the forward changed {changed[0]} (not replayed)"
     inputs = capture.example_inputs()
     if not inputs:
         return None

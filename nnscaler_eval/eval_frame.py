@@ -83,7 +83,7 @@ def enable(backend: Optional[Any] = None, **options: Any) -> _Armed:
         return _Armed(REWRITE_MODE)
     from nnscaler_eval.config import CompileConfig
 
-    return _Armed(CompileConfig.create(backend=backend, **options))
+    return _Armed(CompileConfig.for_region(backend, **options))
 
 
 def disable() -> _Armed:

@@ -97,7 +97,8 @@ if not isinstance(torch.Tensor.__dict__.get("data"), property):
 # nn.Module's own bookkeeping attributes: the module tree and hook dicts are guarded
 # structurally (guard_builder); the others (state-dict hooks, ...) do not shape a
 # forward. `training` is a graph input or a flag guard.
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl"}
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl",
+                                                       "_nnscaler_region_caches"}
 
 MAX_DEPTH = 8
 _CO_NEWLOCALS = 0x2
@@ -506,6 +507,45 @@ def argument_snapshot(values: Iterable[tuple[str, Any]]) -> Snapshot:
         argument = name
         walk(value, name, 0)
     return out
+
+
+def forward_namespace_values(fn: Any) -> list[tuple[str, Any]]:
+    """What the forward's own code can reach before it runs: its closure cells and
+    the globals its code (nested code included) names.  `argument_snapshot` of these,
+    compared after the capture, finds in-place edits of state (a global list
+    appended to) that no graph replays."""
+    code = getattr(fn, "__code__", None)
+    if code is None or _is_library_function(fn):
+        return []
+    values: list[tuple[str, Any]] = []
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            values.append((f"closure cell {name!r}", cell.cell_contents))
+        except ValueError:
+            continue
+    scope = getattr(fn, "__globals__", None) or {}
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    for name in sorted(names):
+        value = scope.get(name, MISSING)
+        if value is not MISSING:
+            values.append((f"global {name!r}", value))
+    # Objects of library classes (a `logging.Logger` caching its levels) keep their
+    # own bookkeeping; plain containers and the user's objects are the state.
+    return [(label, value) for label, value in values
+            if type(value) in _CONTAINERS or not _is_library_type(type(value))]
+
+
+def _is_library_type(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    return module is not None and _is_library_module(module)
+
+
+_CONTAINERS = (list, dict, set)
 
 
 def python_rng_state() -> tuple:
