@@ -108,6 +108,42 @@ is_skipped_code(PyCodeObject *code)
     return !(code->co_flags & CO_OPTIMIZED) || !(code->co_flags & CO_NEWLOCALS);
 }
 
+/* The code object of a plain function, or of a method bound to `self`; else NULL. */
+static PyCodeObject *
+forward_code(PyObject *fn, PyObject *self)
+{
+    if (fn != NULL && PyMethod_Check(fn) && PyMethod_GET_SELF(fn) == self) {
+        fn = PyMethod_GET_FUNCTION(fn);
+    }
+    return fn != NULL && PyFunction_Check(fn) ? (PyCodeObject *)PyFunction_GET_CODE(fn) : NULL;
+}
+
+void
+code_state_learn_forward(CodeState *cs, PyCodeObject *code, PyObject *module)
+{
+    if ((cs->flags & (CS_FORWARD | CS_SKIP)) || code->co_argcount < 1) {
+        return;
+    }
+    PyObject *dict = nns_object_dict(module);
+    PyObject *fn = NULL;
+    if (dict != NULL) {
+        Py_INCREF(dict);
+        fn = PyDict_GetItemWithError(dict, nns_globals.str_forward);   /* borrowed */
+        if (fn == NULL && PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+        Py_XINCREF(fn);
+        Py_DECREF(dict);
+    }
+    if (fn == NULL) {
+        fn = Py_XNewRef(nns_type_lookup(Py_TYPE(module), nns_globals.str_forward));
+    }
+    if (forward_code(fn, module) == code) {
+        cs->flags = (cs->flags | CS_FORWARD) & ~(unsigned)CS_PLAIN;
+    }
+    Py_XDECREF(fn);
+}
+
 CodeState *
 code_state_get(PyCodeObject *code)
 {

@@ -13,7 +13,9 @@
 
 enum {
     CS_SKIP = 1 << 0,        /* never intercepted: generators, class bodies, our own code */
-    CS_FORWARD = 1 << 1,     /* named "forward" with a first argument: a module forward */
+    CS_FORWARD = 1 << 1,     /* a module forward: named "forward" with a first argument,
+                              * or found to be what `self.forward` is for an nn.Module
+                              * (code_state_learn_forward) */
     CS_PLAIN = 1 << 2,       /* decided: neither a forward nor rewritten, so its frames
                               * run as they are unless the code is a region's target */
 };
@@ -36,6 +38,15 @@ int code_state_init(void);
  * the caller while the code object is alive). NULL with an exception set on
  * failure.  May run Python: a failed rewrite is reported as a warning. */
 CodeState *code_state_get(PyCodeObject *code);
+
+/* Mark `code` a module forward when it is the code `module.forward` calls: the
+ * class's function of that name, or an instance attribute `forward` that is a
+ * function or a method bound to the module (`forward = fwd` in a class body,
+ * `self.forward = self.helper`), whatever the code's own name.  Skipped code and
+ * code taking no argument are left as they are.  Runs no Python except a key's
+ * __eq__ in the instance dict; never raises (an error there is cleared: the code
+ * is then simply not learned as a forward). */
+void code_state_learn_forward(CodeState *cs, PyCodeObject *code, PyObject *module);
 
 /* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1.
  * Runs no Python. */

@@ -52,6 +52,15 @@ eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject 
         if (cs == NULL) {
             goto internal_error;
         }
+        if (!(cs->flags & (CS_FORWARD | CS_SKIP)) && code->co_argcount >= 1) {
+            /* A forward under another name (`forward = fwd` in the class body, an
+             * instance's bound `forward`): what nn.Module calls decides, not the
+             * name.  Seen on the code's first frame, the one nn.Module made. */
+            PyObject *self = nns_frame_localsplus(frame)[0];
+            if (self != NULL && PyObject_TypeCheck(self, nns_globals.module_type)) {
+                code_state_learn_forward(cs, code, self);
+            }
+        }
         if (arm_resolve(ts, &config, &target) < 0) {
             goto internal_error;
         }
