@@ -1,7 +1,8 @@
 """Process-wide patches that let a trace see what TorchFunctionMode cannot.
 
 `nn.Module.__call__` (submodule calls: hooks, training flags, visited modules),
-`nn.Module.__setattr__` (writes to module state), `builtins.print` and
+`nn.Module.__setattr__` (writes to module state), `nn.Module.__init__` (modules the
+forward builds, `nn.Softmax(dim=-1)(x)`: made anew by every call), `builtins.print` and
 `sys.breakpointhook` (Python side effects a replay would lose), the clocks of `time`
 and `os.urandom` (values a graph would bake in as constants), and the C functions
 that take a `bool` flag and are called directly, not through a Python wrapper that
@@ -28,6 +29,7 @@ The wrappers call back into the thread's tracer through a small protocol:
 
     tracer.on_module_call(module, args, kwargs) -> result
     tracer.on_module_setattr(module, name)        (may raise GraphBreakError)
+    tracer.on_module_created(module)
     tracer.on_python_side_effect(what)            (may raise GraphBreakError)
     tracer.graph_break(reason)                    (may raise GraphBreakError)
     tracer.call_opaque(function, args, kwargs) -> result
@@ -188,6 +190,13 @@ def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
     if tracer is not None:
         tracer.on_module_setattr(module, name)
     _MODULE_SETATTR.saved(module, name, value)
+
+
+def _module_init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    tracer = _tracing_tracer()
+    if tracer is not None:
+        tracer.on_module_created(module)
+    _MODULE_INIT.saved(module, *args, **kwargs)
 
 
 def _print(*args: Any, **kwargs: Any) -> None:
@@ -457,6 +466,7 @@ class _FlagAwareVariableFunctions:
 # an attribute holding one of our replacements.
 _MODULE_CALL = _Patch(nn.Module, "__call__", _module_call)
 _MODULE_SETATTR = _Patch(nn.Module, "__setattr__", _module_setattr)
+_MODULE_INIT = _Patch(nn.Module, "__init__", _module_init)
 _PRINT = _Patch(builtins, "print", _print)
 _BREAKPOINTHOOK = _Patch(sys, "breakpointhook", _breakpointhook)
 _SET_GRAD_ENABLED = _Patch(torch._C, "_set_grad_enabled", _set_grad_enabled)
@@ -498,6 +508,7 @@ _PATCHES: tuple[_Patch, ...] = tuple(
     for p in (
         _MODULE_CALL,
         _MODULE_SETATTR,
+        _MODULE_INIT,
         _PRINT,
         _BREAKPOINTHOOK,
         _SET_GRAD_ENABLED,

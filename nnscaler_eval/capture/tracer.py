@@ -289,6 +289,9 @@ class Tracer(TorchFunctionMode):
             return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
 
+    def on_module_created(self, module: nn.Module) -> None:
+        self.modules.created.add(id(module))
+
     def on_module_setattr(self, module: nn.Module, name: str) -> None:
         if id(module) in self.nodes.module_paths or id(module) in self.modules.visited:
             self.graph_break(f"write to module state: {type(module).__name__}.{name} = ...")

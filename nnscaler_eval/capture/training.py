@@ -47,6 +47,11 @@ class TrackedModules:
         self.visited: dict[int, nn.Module] = {}
         self.snapshots: dict[int, dict[str, tuple[Any, Any]]] = {}
         self.opaque: dict[int, nn.Module] = {}
+        # Modules the forward built during the trace (`nn.Softmax(dim=-1)(x)`): ids
+        # noted by the `nn.Module.__init__` patch; `fresh` holds those the trace went
+        # through that own no tensors (see `visit`).
+        self.created: set[int] = set()
+        self.fresh: dict[int, nn.Module] = {}
 
     def forget(self) -> None:
         """Let go of every module once the capture is made (tables rebound, not
@@ -54,6 +59,7 @@ class TrackedModules:
         self.swapped, self.live, self.flag_nodes = {}, {}, {}
         self.training_inputs, self.branched, self.visited = [], {}, {}
         self.snapshots, self.opaque = {}, {}
+        self.created, self.fresh = set(), {}
 
     # -- flags ---------------------------------------------------------------------
 
@@ -132,7 +138,16 @@ class TrackedModules:
     def visit(self, module: nn.Module, swap: bool) -> None:
         """The trace went through `module`: snapshot its state; `swap`: give it a flag
         too (not once the capture fell back)."""
-        if id(module) in self.visited:
+        if id(module) in self.visited or id(module) in self.fresh:
+            return
+        if id(module) in self.created and not _owns_tensors(module):
+            # Built by this very call, and so by every call: its state is what the
+            # code that built it made from values the capture guards, it is a new
+            # object next time, and its `training` is what construction set (read
+            # as a plain bool).  Guarding its identity or its dict would drop the
+            # entry as soon as it is freed.  One that owns parameters or buffers is
+            # not: those tensors are new (random) each call, and the graph reads them.
+            self.fresh[id(module)] = module
             return
         if swap:
             self.swap_training(module)
@@ -177,6 +192,10 @@ class TrackedModules:
             )
 
         return unchanged
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return bool(module._parameters) or bool(module._buffers)
 
 
 def global_hook_state() -> tuple[Any, ...]:
