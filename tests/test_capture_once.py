@@ -1,0 +1,320 @@
+"""Captured whole, captured once: the shapes of real code that used to capture again on
+every call, or not at all (issue 18).  Eager is the oracle; capture counts are asserted.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nnscaler
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+# ------------------------------------------------ regions: caches outlive the block
+
+def test_region_blocks_share_one_capture():
+    model, x = TwoLayers(), torch.randn(2, 4)
+    expected = model(x)
+    for _ in range(20):
+        with nnscaler.eval_frame.enable(backend="eager"):
+            out = model(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    info = nnscaler.cache_info(model)
+    assert info.captures == 1 and info.hits == 19 and info.entries == 1, info
+
+
+def test_region_decorator_and_equal_options_share_caches():
+    model, x = TwoLayers(), torch.randn(2, 4)
+
+    @nnscaler.eval_frame.enable(backend="eager", cache_size_limit=8)
+    def step():
+        return model(x)
+
+    step()
+    with nnscaler.eval_frame.enable(backend="eager"):   # the same options, spelled out less
+        model(x)
+    step()
+    assert nnscaler.cache_info(model).captures == 1
+    # other options are another configuration: a capture of their own
+    with nnscaler.eval_frame.enable(backend="eager", fullgraph=True):
+        model(x)
+    assert nnscaler.cache_info(model).captures == 2
+
+
+def test_region_backend_callables_by_identity():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    model, x = TwoLayers(), torch.randn(2, 4)
+    for _ in range(3):
+        with nnscaler.eval_frame.enable(backend=backend):
+            model(x)
+    assert len(calls) == 1
+
+    def other(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    with nnscaler.eval_frame.enable(backend=other):
+        model(x)
+    assert len(calls) == 2
+
+
+def test_region_caches_die_with_their_module():
+    model, x = TwoLayers(), torch.randn(2, 4)
+    with nnscaler.eval_frame.enable(backend="eager"):
+        model(x)
+        model(x)
+    assert nnscaler.cache_info(model).hits == 1
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_region_caches_do_not_travel_with_copies():
+    import copy
+    import io
+    model, x = TwoLayers(), torch.randn(2, 4)
+    with nnscaler.eval_frame.enable(backend="eager"):
+        model(x)
+    for twin in (copy.deepcopy(model), copy.copy(model)):
+        with nnscaler.eval_frame.enable(backend="eager"):
+            torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with nnscaler.eval_frame.enable(backend="eager"):
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+        loaded(x)
+    assert nnscaler.cache_info(loaded).hits >= 1
+    assert set(model.state_dict()) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+
+
+def test_region_state_change_between_blocks_recaptures():
+    model, x = TwoLayers(), torch.randn(2, 4)
+    with nnscaler.eval_frame.enable(backend="eager"):
+        model(x)
+    model.b = nn.Identity()
+    with nnscaler.eval_frame.enable(backend="eager"):
+        out = model(x)
+    torch.testing.assert_close(out, torch.relu(model.a(x)), rtol=0, atol=0)
+
+
+# ------------------------------------------------ modules built during forward
+
+class BuildsSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.dim = -1
+
+    def forward(self, x):
+        return nn.Softmax(dim=self.dim)(self.proj(x))
+
+
+def test_module_built_in_forward_hits():
+    model, x = BuildsSoftmax(), torch.randn(3, 4)
+    expected = model(x)
+    nnscaler.compile(model)
+    for _ in range(4):
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    info = nnscaler.cache_info(model)
+    assert info.captures == 1 and info.hits == 3, info
+    # what built it is still guarded: another dim is another graph
+    model.dim = 0
+    torch.testing.assert_close(model(x), torch.softmax(model.proj(x), dim=0), rtol=0, atol=0)
+    assert nnscaler.cache_info(model).captures == 2
+
+
+class BuildsActivationByName(nn.Module):
+    """Hugging Face's ACT2FN[name]: a new activation module per lookup."""
+    TABLE = {"gelu": nn.GELU, "silu": nn.SiLU}
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.act = act
+
+    def forward(self, x):
+        return self.TABLE[self.act]()(self.proj(x))
+
+
+def test_activation_built_per_call_follows_its_name():
+    model, x = BuildsActivationByName("gelu"), torch.randn(2, 4)
+    nnscaler.compile(model)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), F.gelu(model.proj(x)), rtol=0, atol=0)
+    assert nnscaler.cache_info(model).captures == 1
+    model.act = "silu"
+    torch.testing.assert_close(model(x), F.silu(model.proj(x)), rtol=0, atol=0)
+    BuildsActivationByName.TABLE["silu"] = nn.Tanh   # the class the table names
+    try:
+        torch.testing.assert_close(model(x), torch.tanh(model.proj(x)), rtol=0, atol=0)
+    finally:
+        BuildsActivationByName.TABLE["silu"] = nn.SiLU
+
+
+class BuildsDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        # a new Dropout is in training mode whatever this module's mode is
+        return nn.Dropout(0.5)(self.proj(x))
+
+
+def test_built_module_keeps_its_own_training_flag():
+    model, x = BuildsDropout().eval(), torch.randn(4, 8)
+    torch.manual_seed(1)
+    expected = model(x)
+    nnscaler.compile(model)
+    for _ in range(3):
+        torch.manual_seed(1)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert nnscaler.cache_info(model).captures == 1
+
+
+class BuildsLinear(nn.Module):
+    def forward(self, x):
+        return nn.Linear(4, 4)(x)   # new random weights on every call
+
+
+def test_module_with_tensors_built_in_forward_stays_eager_equal():
+    model, x = BuildsLinear(), torch.randn(2, 4)
+    torch.manual_seed(3)
+    expected = [model(x) for _ in range(3)]
+    nnscaler.compile(model)
+    torch.manual_seed(3)
+    got = [model(x) for _ in range(3)]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ------------------------------------------------ forwards under another name
+
+def _scaled(self, x):
+    return self.proj(x) * self.scale
+
+
+class ForwardAssigned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = 2.0
+
+    forward = _scaled
+
+
+class ForwardBoundOnInstance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = 3.0
+        self.forward = self.run
+
+    def run(self, x):
+        return self.proj(x) * self.scale
+
+
+@pytest.mark.parametrize("cls", [ForwardAssigned, ForwardBoundOnInstance])
+def test_forward_under_another_name_is_captured(cls):
+    model, x = cls(), torch.randn(2, 4)
+    nnscaler.compile(model)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), model.proj(x) * model.scale, rtol=0, atol=0)
+    report = nnscaler.explain(model, x)
+    # the root's own code is the graph (the Linear inlined), not the Linear alone
+    assert len(report.graphs) == 1 and "mul" in report.graphs[0].code, str(report)
+    model.scale = 5.0
+    torch.testing.assert_close(model(x), model.proj(x) * 5.0, rtol=0, atol=0)
+
+
+def test_forward_under_another_name_in_a_region():
+    model, x = ForwardAssigned(), torch.randn(2, 4)
+    for _ in range(3):
+        with nnscaler.eval_frame.enable(backend="eager"):
+            model(x)
+    info = nnscaler.cache_info(model)
+    assert info.captures == 1 and info.hits == 2, info
+
+
+# ------------------------------------------------ counters
+
+class CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.proj(x)
+
+
+def test_calls_run_eagerly_count_as_fallbacks():
+    model, x = CountsCalls(), torch.randn(2, 4)
+    nnscaler.compile(model)
+    for _ in range(3):
+        model(x)
+    assert model.calls == 3
+    info = nnscaler.cache_info(model)
+    assert info.fallbacks == 3 and info.hits == 0, info
+
+
+# ------------------------------------------------ in-place edits of reachable state
+
+CALLS_SEEN: list = []
+
+
+class AppendsToGlobal(nn.Module):
+    def forward(self, x):
+        CALLS_SEEN.append(x.shape[0])
+        return x * 2
+
+
+def _closure_model():
+    seen: dict = {}
+
+    class CountsInClosure(nn.Module):
+        def forward(self, x):
+            seen[len(seen)] = True
+            return x + 1
+
+    return CountsInClosure(), seen
+
+
+def test_in_place_edit_of_a_global_list_is_not_lost():
+    CALLS_SEEN.clear()
+    model, x = nnscaler.compile(AppendsToGlobal()), torch.ones(2)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), x * 2)
+    assert CALLS_SEEN == [2, 2, 2]
+    assert nnscaler.cache_info(model).fallbacks == 3
+
+
+def test_in_place_edit_of_a_closure_dict_is_not_lost():
+    model, seen = _closure_model()
+    nnscaler.compile(model)
+    for _ in range(3):
+        model(torch.ones(2))
+    assert len(seen) == 3
