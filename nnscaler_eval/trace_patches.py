@@ -192,11 +192,28 @@ def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
     _MODULE_SETATTR.saved(module, name, value)
 
 
+# ids of the modules whose __init__ runs through _module_init on this thread now
+_initialising = threading.local()
+
+
 def _module_init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    running = getattr(_initialising, "ids", None)
+    if running is None:
+        running = _initialising.ids = set()
+    if id(module) in running:
+        # Ours again for the same module: another library that wraps
+        # nn.Module.__init__ (Dynamo's mutation guard does) took this wrapper for the
+        # original while it was in, and ours now calls theirs: torch's own ends it.
+        _MODULE_INIT.original(module, *args, **kwargs)
+        return
     tracer = _tracing_tracer()
     if tracer is not None:
         tracer.on_module_created(module)
-    _MODULE_INIT.saved(module, *args, **kwargs)
+    try:
+        running.add(id(module))
+        _MODULE_INIT.saved(module, *args, **kwargs)
+    finally:
+        running.discard(id(module))
 
 
 def _print(*args: Any, **kwargs: Any) -> None:

@@ -441,7 +441,8 @@ def test_argument_type_that_falls_back_costs_no_entry_per_object():
     root = [b for b in _buckets(m) if b.self is m][0]
     assert [t for t, _ in root.eager_types] == [KVStore]
     assert "KVStore" in root.eager_types[0][1] and __file__ in root.eager_types[0][1]
-    assert root.misses == 1 and len(root.entries) == 0 and root.fallbacks == 19
+    # every call ran eagerly: the first through its trace, which fell back
+    assert root.misses == 1 and len(root.entries) == 0 and root.fallbacks == 20
     inner = nnscaler.cache_info(m.inner)
     assert inner.captures == 1 and inner.hits >= 18
 
