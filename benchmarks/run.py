@@ -17,7 +17,7 @@ import traceback
 from typing import Any, Optional
 
 CASES = ["hook_tax", "per_call", "guard_check", "lookup", "capture_time", "recaptures",
-         "steady_state", "memory"]
+         "steady_state", "memory", "regions"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 

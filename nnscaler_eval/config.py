@@ -61,16 +61,22 @@ class CompileConfig:
         by the next block with the same options (a new config per block would start
         from empty tables every time).  The buckets it owns die with their owners
         (a module or function captured in a region), not with the region."""
-        checked = cls.create(backend=backend, **options)
-        key = (_backend_key(backend), checked.fullgraph, checked.skip_nnmodule_hook_guards,
-               checked.cache_size_limit)
-        config = _REGION_CONFIGS.get(key)
+        try:   # the options as written: a block in a loop skips checking them again
+            as_written: Any = (_backend_key(backend),
+                               tuple(sorted(options.items())) if options else ())
+            config = _REGION_CONFIGS.get(as_written)
+        except TypeError:   # an unhashable option value: checked (and refused) below
+            as_written = config = None
         if config is None:
-            config = _REGION_CONFIGS[key] = dataclasses.replace(checked, region=True)
-            if len(_REGION_CONFIGS) > _REGION_CONFIGS_KEPT:
-                _REGION_CONFIGS.popitem(last=False)   # regions still open keep theirs
-        else:
-            _REGION_CONFIGS.move_to_end(key)
+            checked = cls.create(backend=backend, **options)
+            key = (_backend_key(backend), checked.fullgraph,
+                   checked.skip_nnmodule_hook_guards, checked.cache_size_limit)
+            config = _REGION_CONFIGS.get(key)
+            if config is None:
+                config = dataclasses.replace(checked, region=True)
+            _remember_region_config(key, config)
+            if as_written is not None:
+                _remember_region_config(as_written, config)
         return config
 
     def arm(self, target: Any = None) -> Any:
@@ -129,7 +135,15 @@ def _backend_key(backend: Any) -> Any:
     return ("name", backend) if isinstance(backend, str) else ("object", id(backend), backend)
 
 
-# Region configs by options, least recently armed first.  Bounded: code that builds a
+def _remember_region_config(key: Any, config: "CompileConfig") -> None:
+    _REGION_CONFIGS[key] = config
+    _REGION_CONFIGS.move_to_end(key)
+    while len(_REGION_CONFIGS) > _REGION_CONFIGS_KEPT:
+        _REGION_CONFIGS.popitem(last=False)   # regions still open keep theirs
+
+
+# Region configs by options (checked, and as written), oldest first: a config found
+# as written is not moved (that lookup is the hot one), so eviction is by age.  Bounded: code that builds a
 # new backend callable per block never finds an equal config, and must not make this
 # grow without end.  The configs hold their backends; a config dropped from here lives
 # on while an open region or a cache entry holds it.

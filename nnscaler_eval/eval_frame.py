@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from nnscaler_eval import _C
 from nnscaler_eval._install import REWRITE_MODE
+from nnscaler_eval.config import CompileConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,8 +82,6 @@ def enable(backend: Optional[Any] = None, **options: Any) -> _Armed:
                 "enable() is the rewrite mode and takes no options"
             )
         return _Armed(REWRITE_MODE)
-    from nnscaler_eval.config import CompileConfig
-
     return _Armed(CompileConfig.for_region(backend, **options))
 
 
