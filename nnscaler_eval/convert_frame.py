@@ -157,7 +157,12 @@ def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
     return True
 
 
-_backend_failures_warned: set[tuple[str, Any]] = set()
+# code -> the backend failures already warned about for it: (the backend's
+# identity, what failed).  Keyed weakly, so a freed forward's code takes its entry
+# with it; each distinct failure of each backend warns once, even when two backends
+# share a name.
+_backend_failures_warned: "weakref.WeakKeyDictionary[Any, set[tuple[int, str]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _compile_runner(config: Any, capture: Any, code: Any,
@@ -181,8 +186,10 @@ def _compile_runner(config: Any, capture: Any, code: Any,
                 f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if (config.backend_name, code) not in _backend_failures_warned:
-            _backend_failures_warned.add((config.backend_name, code))
+        failure = (id(config.backend_fn), f"{type(exc).__name__}: {exc}")
+        warned = _backend_failures_warned.setdefault(code, set())
+        if failure not in warned:
+            warned.add(failure)
             warn_at_user(
                 f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
                 f"({type(exc).__name__}: {exc}); running the captured graph with the "

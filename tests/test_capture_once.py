@@ -318,3 +318,18 @@ def test_in_place_edit_of_a_closure_dict_is_not_lost():
     for _ in range(3):
         model(torch.ones(2))
     assert len(seen) == 3
+
+
+def test_each_distinct_backend_failure_warns():
+    def make_failing(message):
+        def backend(gm, example_inputs):   # two backends, one name
+            raise RuntimeError(message)
+        return backend
+
+    x = torch.randn(2, 4)
+    for message in ("first backend broke", "second backend broke"):
+        model = TwoLayers()
+        expected = model(x)
+        nnscaler.compile(model, backend=make_failing(message))
+        with pytest.warns(RuntimeWarning, match=message):
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
