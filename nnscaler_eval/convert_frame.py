@@ -272,10 +272,12 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     mutable = state_guards.argument_snapshot(arguments)
     reachable = state_guards.argument_snapshot(state_guards.forward_namespace_values(fn))
     rng = state_guards.python_rng_state()
+    traced_slots = _state_aliases_apart(slots, first, self)
     recorder = state_guards.CodeRecorder()
     with recorder, compile_safe_paths():
-        capture = tracer.capture(fn, slots, slot_names, root=self, fullgraph=config.fullgraph,
-                                 call=slot_call(fn, code, slots, caller_depth))
+        capture = tracer.capture(fn, traced_slots, slot_names, root=self,
+                                 fullgraph=config.fullgraph,
+                                 call=slot_call(fn, code, traced_slots, caller_depth))
     # The state walk serves value guards, which only entries with a graph get.
     found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
              else state_guards.StateGuardSet())
@@ -380,6 +382,29 @@ def _mutated_before(code: Any, names: tuple[str, ...],
                     f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed a {type(obj).__name__} "
                     f"passed as {name!r} before (not replayed)", *_forward_line(code)), type(obj)
     return None
+
+
+def _state_aliases_apart(slots: tuple, first: int, root: Any) -> tuple:
+    """The slots to trace with: a tensor argument that is also a parameter or buffer
+    of the module (`model(model.position_ids)`) is passed as a view of itself.
+
+    The tracer knows values by identity, so the argument and the module's tensor
+    would be one node, and the graph would hold only while the argument is that very
+    tensor.  A view shares storage, version counter and autograd history with it (an
+    in-place op on either is seen by both, as in eager), yet is another object: the
+    graph then takes the argument as an input and reads the module's tensor as an
+    attribute, which is right whatever a later call passes.  The view exists for the
+    capture only; later calls pass their own tensors."""
+    if not isinstance(root, torch.nn.Module) or not any(
+            isinstance(v, torch.Tensor) for v in slots[first:]):
+        return slots
+    state = {id(t) for t in root.parameters()}
+    state.update(id(t) for t in root.buffers())
+    if not any(isinstance(v, torch.Tensor) and id(v) in state for v in slots[first:]):
+        return slots
+    with torch._C.DisableTorchFunction():
+        return tuple(v.view_as(v) if i >= first and isinstance(v, torch.Tensor) and id(v) in state
+                     else v for i, v in enumerate(slots))
 
 
 def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,

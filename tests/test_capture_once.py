@@ -333,3 +333,76 @@ def test_each_distinct_backend_failure_warns():
         nnscaler.compile(model, backend=make_failing(message))
         with pytest.warns(RuntimeWarning, match=message):
             torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------ inputs that are module state
+
+class AddsItsBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.randn(2, 4))
+
+    def forward(self, x):
+        return self.proj(x) + self.pos * 2
+
+
+def _twins(cls):
+    eager = cls()
+    ours = cls()
+    ours.load_state_dict(eager.state_dict())
+    return eager, nnscaler.compile(ours)
+
+
+def test_buffer_passed_as_input_is_cached():
+    eager, ours = _twins(AddsItsBuffer)
+    for _ in range(3):
+        torch.testing.assert_close(ours(ours.pos), eager(eager.pos), rtol=0, atol=0)
+    info = nnscaler.cache_info(ours)
+    assert info.captures == 1 and info.hits == 2, info
+    other = torch.randn(2, 4)   # the graph does not take the input for the buffer
+    torch.testing.assert_close(ours(other), eager(other), rtol=0, atol=0)
+    assert nnscaler.cache_info(ours).captures == 1
+
+
+def test_parameter_passed_as_input_gets_both_gradients():
+    eager, ours = _twins(AddsItsBuffer)
+    for model in (eager, ours):
+        for _ in range(3):
+            model(model.proj.weight[:2].detach().requires_grad_()).sum().backward()
+            model(model.pos).sum().backward()
+    torch.testing.assert_close(ours.proj.weight.grad, eager.proj.weight.grad)
+
+    class TakesItsWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            return (x @ self.w).sum()
+
+    eager, ours = _twins(TakesItsWeight)
+    for model in (eager, ours):
+        for _ in range(3):
+            model(model.w).backward()
+    torch.testing.assert_close(ours.w.grad, eager.w.grad)
+    assert nnscaler.cache_info(ours).captures == 1
+
+
+class ScalesInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.ones(3))
+
+    def forward(self, x):
+        x.mul_(2)
+        return x + self.state
+
+
+def test_in_place_on_an_input_that_is_a_buffer():
+    eager, ours = _twins(ScalesInPlace)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ours(ours.state), eager(eager.state), rtol=0, atol=0)
+    torch.testing.assert_close(ours.state, eager.state, rtol=0, atol=0)
+    assert nnscaler.cache_info(ours).captures == 1
