@@ -12,11 +12,15 @@ tell a real Dynamo trace apart from ours.
 
 The function is swapped on `torch.compiler` (what transformers calls through) while any
 thread captures; callers that imported the function object itself before a capture
-keep torch's answer.
+keep torch's answer.  Inside a function that `torch.utils.checkpoint` runs, the answer
+is torch's even during a capture: backward runs that function again outside any
+capture, and its recomputation must take the path the capture took.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 from typing import Callable, Iterator
 
 import torch
@@ -31,13 +35,40 @@ def dynamo_is_compiling() -> bool:
     return _torch_is_compiling()
 
 
+def _checkpoint_codes() -> frozenset:
+    """The code objects that run a checkpointed function (torch.utils.checkpoint:
+    `checkpoint` under its decorators, and the reentrant variant's forward)."""
+    import torch.utils.checkpoint as checkpoint
+
+    functions = (inspect.unwrap(checkpoint.checkpoint), checkpoint.CheckpointFunction.forward)
+    return frozenset(fn.__code__ for fn in functions if hasattr(fn, "__code__"))
+
+
+_CHECKPOINT_CODES: frozenset = frozenset()
+
+
+def _in_checkpointed_function() -> bool:
+    global _CHECKPOINT_CODES
+    if not _CHECKPOINT_CODES:
+        _CHECKPOINT_CODES = _checkpoint_codes()
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _CHECKPOINT_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _is_compiling() -> bool:
     # The thread holding the capture lock is the one capturing (one capture at a
     # time, process-wide: trace_state).  Derived from the lock, not from a counter of
     # our own: an interrupt can land between any two bytecodes, and the lock is the
     # one piece of this state that is repaired in a `finally` whatever happens.
     if trace_state.capture_depth():
-        return True
+        # A checkpointed function runs again in backward, where no capture is on and
+        # this says False: during the capture it takes that same path (eager's), or
+        # the recomputation differs and checkpoint raises CheckpointError.
+        return not _in_checkpointed_function()
     return _torch_is_compiling()
 
 

@@ -406,3 +406,45 @@ def test_in_place_on_an_input_that_is_a_buffer():
             torch.testing.assert_close(ours(ours.state), eager(eager.state), rtol=0, atol=0)
     torch.testing.assert_close(ours.state, eager.state, rtol=0, atol=0)
     assert nnscaler.cache_info(ours).captures == 1
+
+
+# ------------------------------------------------ gradient checkpointing
+
+class BranchesOnCompiling(nn.Module):
+    """HF's MoE layers: one path when compiled, a data-dependent shortcut eagerly;
+    the two save different tensors for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            return torch.relu(self.a(x)) + self.b(x)
+        h = self.a(x)
+        if (h > 100).any():
+            return h
+        return h.sigmoid() * 0 + torch.relu(h) + self.b(x)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = BranchesOnCompiling()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x,
+                                                 use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_module_recomputes_the_path_it_took(reentrant):
+    eager, ours = _twins(lambda: Checkpointed(reentrant))
+    x = torch.randn(2, 4, requires_grad=True)
+    for model in (eager, ours):
+        for _ in range(3):
+            model(x).backward()     # CheckpointError here before
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, dict(eager.named_parameters())[name].grad)
