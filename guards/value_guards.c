@@ -511,18 +511,44 @@ check_call(ValueGuard *guard)
     return ok;
 }
 
+/* 1 when an expected value held weakly has died: nothing alive can be it, so a guard
+ * comparing by identity that fails now can never hold again.  Runs no Python. */
+static int
+expected_died(ValueGuard *guard)
+{
+    if (guard->weak == NULL || guard->expected == NULL) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guard->expected); i++) {
+        if (guard->weak[i] && expected_item(guard, i) == NULL) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A failed check of a guard whose expected values include a dead one is -1 (stale
+ * for good: the lookup drops its entry) rather than 0 (a hook removed with its
+ * function freed: the entry that guarded it would otherwise stay in the bucket,
+ * failing on every miss and counting towards cache_size_limit). */
+static int
+unless_stale(ValueGuard *guard, int ok)
+{
+    return ok == 0 && expected_died(guard) ? -1 : ok;
+}
+
 int
 value_guard_check(ValueGuard *guard)
 {
     switch (guard->kind) {
     case VG_DICT:
-        return check_dict(guard);
+        return unless_stale(guard, check_dict(guard));
     case VG_LIST:
-        return check_list(guard);
+        return unless_stale(guard, check_list(guard));
     case VG_CELL: {
         PyObject *content = PyCell_GET(guard->target);
         PyObject *want = expected_item(guard, 0);
-        return content != NULL && want != NULL && same_value(want, content);
+        return unless_stale(guard, content != NULL && want != NULL && same_value(want, content));
     }
     case VG_FUNCTION:
         return check_function(guard);

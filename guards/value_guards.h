@@ -98,7 +98,8 @@ void value_guard_clear(ValueGuard *guard);
 int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
 
 /* 1 when the guard holds, 0 when it does not, -1 when it can never hold again (a
- * weakly held tensor died).  Never leaves an exception set.
+ * weakly held tensor died, or the guard fails and one of its weakly held expected
+ * values died: nothing alive can be that object).  Never leaves an exception set.
  * May run Python: tensor-subclass getters,
  * the VG_CALL predicate.  The caller must own a reference to whatever holds `guard`. */
 int value_guard_check(ValueGuard *guard);

@@ -448,3 +448,40 @@ def test_checkpointed_module_recomputes_the_path_it_took(reentrant):
             model(x).backward()     # CheckpointError here before
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, dict(eager.named_parameters())[name].grad)
+
+
+# ------------------------------------------------ recaptures leave nothing behind
+
+class BranchesOnMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            h = h * 2
+        return self.b(h)
+
+
+def test_entries_of_removed_hooks_are_dropped():
+    """A new hook function per step, added and removed, and the mode toggled: each
+    entry made while a hook was in can never hold again once its function is freed;
+    it leaves the bucket instead of filling cache_size_limit (default 8)."""
+    eager, ours = _twins(BranchesOnMode)
+    x = torch.randn(2, 4)
+    for _ in range(30):
+        outs = []
+        for model in (eager, ours):
+            handle = model.a.register_forward_hook(lambda mod, inputs, out: out + 1)
+            outs.append(model(x))
+            model.train(not model.training)
+            outs.append(model(x))
+            handle.remove()
+            outs.append(model(x))
+        for a, b in zip(outs[:3], outs[3:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    gc.collect()
+    info = nnscaler.cache_info(ours)
+    assert info.fallbacks == 0 and info.entries <= 4, info
