@@ -485,3 +485,48 @@ def test_entries_of_removed_hooks_are_dropped():
     gc.collect()
     info = nnscaler.cache_info(ours)
     assert info.fallbacks == 0 and info.entries <= 4, info
+
+
+# ------------------------------------------------ state an earlier eager call cached
+
+class CachesItsBias(nn.Module):
+    """timm's levit / efficientformer: in eval, a bias computed from parameters is
+    cached in a dict attribute by the first call, and read by the later ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(4))
+        self.proj = nn.Linear(4, 4)
+        self.cache: dict = {}
+
+    def get_bias(self):
+        if self.training:
+            return self.bias * 2
+        if "bias" not in self.cache:
+            self.cache["bias"] = self.bias * 2   # with grad enabled: it has a grad_fn
+        return self.cache["bias"]
+
+    def forward(self, x):
+        return self.proj(x) + self.get_bias()
+
+
+def test_tensor_cached_by_an_earlier_call_is_captured():
+    eager, ours = _twins(CachesItsBias)
+    eager.eval(), ours.eval()
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    info = nnscaler.cache_info(ours)
+    # the first call writes the cache (runs eagerly); the next is captured, then hits
+    assert info.fallbacks == 1 and info.captures == 1 and info.hits == 2, info
+    # the cached tensor replaced: seen
+    for model in (eager, ours):
+        model.cache["bias"] = model.bias * 3
+    torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    # emptied: written again, then captured again
+    for model in (eager, ours):
+        model.cache.clear()
+    for _ in range(2):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    ours.train(), eager.train()
+    torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)

@@ -554,9 +554,12 @@ class Tracer(TorchFunctionMode):
             raise RecordingAborted
         with torch._C.DisableTorchFunction():
             computed = tensor.grad_fn is not None
-        if computed:
+        if computed and not self.modules.held_before(tensor):
             # It was computed in this run, but not through torch function dispatch
             # (e.g. under torch._C.DisableTorchFunction): baking it in would be wrong.
+            # One that module state held before the run (an earlier eager call cached
+            # it) is state: a constant of the graph, held by reference, and its
+            # module's dict (and the container it sits in) is guarded by identity.
             self.graph_break(
                 "a tensor computed outside torch function dispatch "
                 f"({type(tensor.grad_fn).__name__}) reached the graph"

@@ -154,6 +154,23 @@ class TrackedModules:
         self.visited[id(module)] = module
         self.snapshots[id(module)] = _module_state(module)
 
+    def held_before(self, tensor: torch.Tensor) -> bool:
+        """`tensor` was in a visited module's state when the trace first went through
+        that module (an attribute, or an item of a dict, list or set attribute): it
+        was made before this run, by an earlier eager call for one (a cache of
+        attention biases), whatever autograd history it carries."""
+        for state in self.snapshots.values():
+            for value, contents in state.values():
+                if value is tensor:
+                    return True
+                if contents is None:
+                    continue
+                for item in contents:
+                    if item is tensor or (type(item) is tuple and len(item) == 2
+                                          and item[1] is tensor):
+                        return True
+        return False
+
     def changed(self) -> Optional[tuple[nn.Module, str]]:
         """A visited module whose state changed since its snapshot, and the attribute
         (writes the `__setattr__` patch cannot see: `object.__setattr__`, `__dict__`
