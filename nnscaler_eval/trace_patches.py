@@ -28,7 +28,7 @@ outer `finally` can simply run it again until it completes.
 The wrappers call back into the thread's tracer through a small protocol:
 
     tracer.on_module_call(module, args, kwargs) -> result
-    tracer.on_module_setattr(module, name)        (may raise GraphBreakError)
+    tracer.on_module_setattr(module, name[, value]) (may raise GraphBreakError)
     tracer.on_module_created(module)
     tracer.on_python_side_effect(what)            (may raise GraphBreakError)
     tracer.graph_break(reason)                    (may raise GraphBreakError)
@@ -188,7 +188,7 @@ def _module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _module_setattr(module: nn.Module, name: str, value: Any) -> None:
     tracer = _tracing_tracer()
     if tracer is not None:
-        tracer.on_module_setattr(module, name)
+        tracer.on_module_setattr(module, name, value)
     _MODULE_SETATTR.saved(module, name, value)
 
 

@@ -530,3 +530,84 @@ def test_tensor_cached_by_an_earlier_call_is_captured():
         torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
     ours.train(), eager.train()
     torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------ writes that change nothing
+
+class SetsItsWindow(nn.Module):
+    """HF swin's set_shift_and_window_size: writes plain values on every call, which
+    change the module only when the input is smaller than the window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.shift_size = 1
+        self.window = 4
+
+    def forward(self, x):
+        if x.shape[0] <= self.window:
+            self.shift_size = 0
+            self.window = min(x.shape[0], self.window)
+        return self.proj(x) * (self.shift_size + 1)
+
+
+def test_writes_of_the_value_already_there_are_captured():
+    eager, ours = _twins(SetsItsWindow)
+    for n in (2, 2, 2, 3, 3, 8, 8):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        assert (ours.window, ours.shift_size) == (eager.window, eager.shift_size)
+    info = nnscaler.cache_info(ours)
+    # the first call changes shift_size and window (runs eagerly); then one capture
+    # per input size, each hit afterwards
+    assert info.fallbacks == 1 and info.hits >= 3, info
+    # put back from outside: the next call writes for real again, as eager does
+    x = torch.randn(2, 4)
+    for model in (eager, ours):
+        model.shift_size, model.window = 1, 4
+    torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    assert (ours.window, ours.shift_size) == (eager.window, eager.shift_size) == (2, 0)
+
+
+class NamesItsAttributeAtRunTime(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.which = name
+        self.mode = 1
+
+    def forward(self, x):
+        setattr(self, self.which, 1)    # a name no code holds as a literal, never read
+        return self.proj(x)
+
+
+def test_write_through_a_computed_name_is_not_taken_for_a_no_op():
+    eager, ours = _twins(lambda: NamesItsAttributeAtRunTime("mo" + "de"))
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    for model in (eager, ours):
+        model.mode = 5   # the forward writes 1 back over it
+    for _ in range(2):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        assert ours.mode == eager.mode == 1
+
+
+class CountsItsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.n = 0
+
+    def forward(self, x):
+        self.n = self.n + 1
+        return self.proj(x) * self.n
+
+
+def test_writes_of_new_values_run_eagerly():
+    eager, ours = _twins(CountsItsCalls)
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    assert ours.n == eager.n == 4
+    assert nnscaler.cache_info(ours).fallbacks == 4

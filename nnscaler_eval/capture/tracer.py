@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -32,6 +33,7 @@ from nnscaler_eval.capture.locations import record_source, user_location
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
 from nnscaler_eval.capture.training import (
+    MISSING_VALUE,
     TrackedModules,
     deps_of,
     deps_of_args,
@@ -40,6 +42,7 @@ from nnscaler_eval.capture.training import (
     same_tensor_kind,
     tracked,
     unique_modules,
+    writes_nothing_new,
 )
 from nnscaler_eval.codegen import InputPath, OutputLayout
 from nnscaler_eval.runtime import ifexpr
@@ -64,6 +67,11 @@ def capture(
     """
     tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph)
     return tracer.run(call if call is not None else (lambda: fn(*slots)))
+
+
+def _names_literally(code: Any, name: str) -> bool:
+    """`code` names `name` (an attribute it stores, or a string constant)."""
+    return name in code.co_names or name in code.co_consts
 
 
 def _pop_modes_to(depth: int) -> None:
@@ -292,8 +300,15 @@ class Tracer(TorchFunctionMode):
     def on_module_created(self, module: nn.Module) -> None:
         self.modules.created.add(id(module))
 
-    def on_module_setattr(self, module: nn.Module, name: str) -> None:
+    def on_module_setattr(self, module: nn.Module, name: str, value: Any = MISSING_VALUE) -> None:
         if id(module) in self.nodes.module_paths or id(module) in self.modules.visited:
+            if (value is not MISSING_VALUE and writes_nothing_new(module, name, value)
+                    and _names_literally(sys._getframe(2).f_code, name)):
+                # `self.shift_size = 0` where it is 0 already: nothing to replay.  The
+                # writing code names the attribute, so the state guards cover it (a
+                # later value put there by someone else recaptures, and the write,
+                # then a real one, falls back as eager runs it).
+                return
             self.graph_break(f"write to module state: {type(module).__name__}.{name} = ...")
 
     def on_python_side_effect(self, what: str) -> None:

@@ -238,6 +238,35 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
+MISSING_VALUE: Any = object()
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+def same_plain(a: Any, b: Any) -> bool:
+    """`a` and `b` are the same plain value (ints, floats, bools, strings, None and
+    tuples of them, compared by type and value; NaN is never the same), so writing
+    one over the other changes nothing a later call could read."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(same_plain(x, y) for x, y in zip(a, b))
+    return type(a) in _PLAIN and a == b
+
+
+def writes_nothing_new(module: nn.Module, name: str, value: Any) -> bool:
+    """`module.name = value` (through nn.Module.__setattr__) leaves the module as it
+    is: the attribute, parameter, buffer or submodule of that name already holds
+    `value` (itself, or the same plain value)."""
+    for where in ("_parameters", "_buffers", "_modules"):
+        table = module.__dict__.get(where)
+        if isinstance(table, dict) and name in table:
+            return table[name] is value
+    current = module.__dict__.get(name, MISSING_VALUE)
+    return current is not MISSING_VALUE and same_plain(current, value)
+
+
 def _same_state(
     before: dict[str, tuple[Any, Any]], after: dict[str, tuple[Any, Any]]
 ) -> Optional[str]:
@@ -246,7 +275,7 @@ def _same_state(
         if name not in before or name not in after:
             return name
         (old, old_contents), (new, new_contents) = before[name], after[name]
-        if old is not new:
+        if old is not new and not same_plain(old, new):
             return name
         if old_contents is None:
             continue
