@@ -440,13 +440,20 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
         # `log.append(...)` on a global or closure list: not part of the graph, and
         # the guards, taken after the capture, would see nothing change
         return f"side effect on state: the forward changed {changed[0]} (not replayed)"
-    inputs = capture.example_inputs()
-    if not inputs:
-        return None
     state: set[int] = set(found.state_tensors)
     if self is not None:
         state.update(id(t) for t in self.parameters())
         state.update(id(t) for t in self.buffers())
+    for module in capture.visited_modules:
+        state.update(id(t) for t in module.parameters(recurse=False))
+        state.update(id(t) for t in module.buffers(recurse=False))
+    for constant in getattr(capture, "unproven_constants", ()):
+        if id(constant) not in state:
+            return ("a tensor computed outside torch function dispatch reached the "
+                    "graph as a constant (a later call would replay this run's value)")
+    inputs = capture.example_inputs()
+    if not inputs:
+        return None
     spec = capture.runner_spec
     if spec is not None:
         state.update(id(v) for v in spec.attr_values.values() if isinstance(v, torch.Tensor))

@@ -611,3 +611,36 @@ def test_writes_of_new_values_run_eagerly():
         torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
     assert ours.n == eager.n == 4
     assert nnscaler.cache_info(ours).fallbacks == 4
+
+
+# ------------------------------------------------ tensors the trace did not see made
+
+class ComputesOutOfSight(nn.Module):
+    def forward(self, x):
+        with torch._C.DisableTorchFunction():
+            hidden = x * 2      # made below the dispatch the trace records
+        return x + hidden
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_tensor_made_out_of_sight_is_never_a_constant(grad):
+    """Under no_grad such a tensor has no grad_fn to tell it from state: it must not
+    become a constant that later calls replay."""
+    model = nnscaler.compile(ComputesOutOfSight())
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            x = torch.randn(3)
+            torch.testing.assert_close(model(x), x * 3)
+    assert nnscaler.cache_info(model).hits == 0
+
+
+def test_vmap_in_forward_is_eager_equal():
+    class MapsRows(nn.Module):
+        def forward(self, x):
+            return torch.vmap(lambda row: row.sum() * row)(x)
+
+    model = nnscaler.compile(MapsRows())
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 3)
+            torch.testing.assert_close(model(x), x.sum(1, keepdim=True) * x)

@@ -78,6 +78,7 @@ def make_capture(
     entry_grad_mode: bool,
     read_metadata: bool,
     metadata_tensors: list[torch.Tensor],
+    unproven_constants: list[torch.Tensor] = (),   # type: ignore[assignment]
 ) -> Capture:
     """The Capture of a finished trace: with a GraphModule and a runner spec unless it
     fell back (or its output could not be laid out)."""
@@ -121,6 +122,7 @@ def make_capture(
         _example_inputs=nodes.example_inputs if graph_module is not None else [],
         read_metadata=read_metadata,
         metadata_tensors=metadata_tensors if graph_module is not None else [],
+        unproven_constants=list(unproven_constants) if graph_module is not None else [],
     )
 
 

@@ -92,6 +92,11 @@ class Capture:
     # Tensors whose metadata Python read without the graph using them (a parameter
     # read for its shape only): guarded with the others when they are module state.
     metadata_tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # Tensors made constants of the graph that no op of the trace made and that no
+    # visited module held before the call: state only if the state walk finds them
+    # (a global, a closure cell, a default); else computed in this run where the trace
+    # could not see it (torch.no_grad leaves no grad_fn to tell), and not replayable.
+    unproven_constants: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def make_runner(
         self, compiled: Optional[Callable[..., Any]] = None, *, training_folded: bool = False

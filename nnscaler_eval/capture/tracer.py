@@ -122,6 +122,7 @@ class Tracer(TorchFunctionMode):
         # parameter read only for its shape or dtype): their metadata shaped the graph
         # as constants, so the entry guards it (if they are module state).
         self.metadata_tensors: dict[int, torch.Tensor] = {}
+        self.unproven_constants: dict[int, torch.Tensor] = {}
         self.global_state = GlobalState()
 
     # -- state -----------------------------------------------------------------
@@ -567,9 +568,18 @@ class Tracer(TorchFunctionMode):
                 "a tensor of a torch.cond branch was made outside torch function dispatch"
             )
             raise RecordingAborted
+        if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            # A tensor of a torch.func transform (vmap, grad) that the transform
+            # made below the dispatch the trace sees: valid only inside it.
+            self.graph_break("a tensor of a torch.func transform (vmap, grad) "
+                             "reached the graph")
+            raise RecordingAborted
         with torch._C.DisableTorchFunction():
             computed = tensor.grad_fn is not None
-        if computed and not self.modules.held_before(tensor):
+        held_before = self.modules.held_before(tensor)
+        if not held_before:
+            self.unproven_constants[id(tensor)] = tensor
+        if computed and not held_before:
             # It was computed in this run, but not through torch function dispatch
             # (e.g. under torch._C.DisableTorchFunction): baking it in would be wrong.
             # One that module state held before the run (an earlier eager call cached
@@ -669,6 +679,7 @@ class Tracer(TorchFunctionMode):
             entry_grad_mode=self.global_state.entry_grad_mode,
             read_metadata=self.read_metadata,
             metadata_tensors=list(self.metadata_tensors.values()),
+            unproven_constants=list(self.unproven_constants.values()),
         )
         self.metadata_tensors = {}
         # The trace's bookkeeping holds every intermediate tensor: drop it now.
