@@ -17,8 +17,12 @@ class CacheEntry:
     key_description: tuple[str, ...]
     def __init__(self, runner: Optional[Callable[..., Any]], training_modules: Sequence[Any],
                  dict_guards: Sequence[dict], flag_guards: Sequence[tuple[Any, bool]],
-                 guard_names: Sequence[str], info: Any) -> None: ...
+                 guard_names: Sequence[str], info: Any,
+                 value_guards: Sequence[tuple[Any, ...]] = ()) -> None: ...
     def check_verbose(self) -> Optional[str]: ...
+
+class CacheTable:
+    """The cache buckets of one code object and capture config (internal)."""
 
 class CallKey:
     """The per-call key of argument values (C builds it on a miss for convert_frame)."""
