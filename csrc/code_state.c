@@ -138,6 +138,31 @@ code_state_learn_forward(CodeState *cs, PyCodeObject *code, PyObject *module)
     if (fn == NULL) {
         fn = Py_XNewRef(nns_type_lookup(Py_TYPE(module), nns_globals.str_forward));
     }
+    /* A decorated forward (transformers' can_return_tuple, functools.wraps): the
+     * function the decorators wrapped is the forward, never their generic wrapper,
+     * whose one code object serves every class it decorates. */
+    for (int depth = 0; depth < 8 && fn != NULL; depth++) {
+        PyObject *function = PyMethod_Check(fn) ? PyMethod_GET_FUNCTION(fn) : fn;
+        PyObject *wrapped = NULL;
+        if (PyFunction_Check(function)) {
+            PyObject *fdict = PyObject_GenericGetDict(function, NULL);
+            if (fdict == NULL) {
+                PyErr_Clear();
+            }
+            else {
+                wrapped = PyDict_GetItemWithError(fdict, nns_globals.str_wrapped);
+                Py_XINCREF(wrapped);
+                if (wrapped == NULL && PyErr_Occurred()) {
+                    PyErr_Clear();
+                }
+                Py_DECREF(fdict);
+            }
+        }
+        if (wrapped == NULL) {
+            break;
+        }
+        Py_SETREF(fn, wrapped);
+    }
     if (forward_code(fn, module) == code) {
         cs->flags = (cs->flags | CS_FORWARD) & ~(unsigned)CS_PLAIN;
     }

@@ -380,6 +380,7 @@ module_exec(PyObject *module)
     struct { PyObject **slot; const char *s; } names[] = {
         {&guard_env.str_training, "training"},
         {&nns_globals.str_forward, "forward"},
+        {&nns_globals.str_wrapped, "__wrapped__"},
         {&nns_globals.str_call_impl, "_call_impl"},
         {&guard_env.str_dtype, "dtype"},
         {&guard_env.str_shape, "shape"},

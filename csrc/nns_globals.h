@@ -24,7 +24,7 @@ typedef struct {
     PyObject *len_torch_function_stack;   /* torch._C._len_torch_function_stack */
     PyObject *pop_torch_function_stack;   /* torch._C._pop_torch_function_stack */
     /* interned names */
-    PyObject *str_forward, *str_call_impl;
+    PyObject *str_forward, *str_call_impl, *str_wrapped;
     PyObject *str_forward_hooks, *str_forward_pre_hooks, *str_backward_hooks,
         *str_backward_pre_hooks;
 } NnsGlobals;

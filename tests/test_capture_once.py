@@ -623,3 +623,48 @@ def test_vmap_in_forward_is_eager_equal():
         for _ in range(3):
             x = torch.randn(2, 3)
             torch.testing.assert_close(model(x), x.sum(1, keepdim=True) * x)
+
+
+def _returns_tuple(fn):
+    """A generic decorator, as transformers' can_return_tuple: one wrapper code object
+    for every class it decorates."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        return (fn(self, *args, **kwargs),)
+    return wrapper
+
+
+class DecoratedRenamed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def run(self, x):
+        return self.proj(x) * 2
+
+    forward = _returns_tuple(run)
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    @_returns_tuple
+    def forward(self, x):
+        return self.proj(x) - 1
+
+
+def test_decorated_forwards_are_captured_inside_their_wrapper():
+    x = torch.randn(2, 4)
+    for cls, fn in ((DecoratedRenamed, lambda m: m.proj(x) * 2),
+                    (DecoratedForward, lambda m: m.proj(x) - 1)):
+        model = nnscaler.compile(cls())
+        for _ in range(3):
+            (out,) = model(x)
+            torch.testing.assert_close(out, fn(model), rtol=0, atol=0)
+        report = nnscaler.explain(model, x)
+        # the function the decorator wrapped is the graph; its wrapper runs as it is
+        assert len(report.graphs) == 1 and "wrapper" not in report.entries[0].where, str(report)

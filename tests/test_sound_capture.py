@@ -8,6 +8,7 @@ call against eager on the same module and inputs.
 import copy
 import os
 import random
+import sys
 import time
 import types
 import warnings
@@ -642,19 +643,31 @@ def test_a_flag_module_that_dies_is_never_vouched_for():
     check(m, lambda x: x * 3 + 1, x)
 
 
-def test_unchanged_dicts_are_vouched_for_by_one_clock_on_3_12_plus():
-    from nnscaler_eval import _C
+def _scaled_entry():
     m = nnscaler.compile(Scaled())
     x = torch.randn(2, 4)
     m(x)
     m(x)
-    entry = [b for b in _buckets(m) if b.self is m][0].entries[0]
-    if _C.dict_clock() == 0:
-        assert entry.clean_clock == 0   # 3.11: every dict is checked on every hit
-        return
-    assert entry.clean_clock == _C.dict_clock()
+    return m, x, [b for b in _buckets(m) if b.self is m][0].entries[0]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="3.11 has no dict watchers: no clock")
+def test_unchanged_dicts_are_vouched_for_by_one_clock_on_3_12_plus():
+    from nnscaler_eval import _C
+    m, x, entry = _scaled_entry()
+    assert entry.clean_clock == _C.dict_clock() != 0
     m.table["a"] = 5.0                  # a watched dict changes: the clock moves
     assert _C.dict_clock() != entry.clean_clock
+    ref = copy.deepcopy(m)
+    check(m, eager(ref), x)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12+ vouch by the dict clock")
+def test_every_dict_is_checked_on_every_hit_on_3_11():
+    from nnscaler_eval import _C
+    m, x, entry = _scaled_entry()
+    assert _C.dict_clock() == 0 and entry.clean_clock == 0
+    m.table["a"] = 5.0                  # seen by the dict's own version
     ref = copy.deepcopy(m)
     check(m, eager(ref), x)
 
