@@ -42,10 +42,12 @@ CodeState *code_state_get(PyCodeObject *code);
 /* Mark `code` a module forward when it is the code `module.forward` calls: the
  * class's function of that name, or an instance attribute `forward` that is a
  * function or a method bound to the module (`forward = fwd` in a class body,
- * `self.forward = self.helper`), whatever the code's own name.  Skipped code and
- * code taking no argument are left as they are.  Runs no Python except a key's
- * __eq__ in the instance dict; never raises (an error there is cleared: the code
- * is then simply not learned as a forward). */
+ * `self.forward = self.helper`), whatever the code's own name, followed through
+ * `__wrapped__` (decorators).  Skipped code and code taking no argument are left as
+ * they are.  May run Python: a key's __eq__ in the instance dict, and the GC when a
+ * function's __dict__ is made; it holds its own references across that (the caller
+ * must own `code` and `module`).  Never raises (an error is cleared: the code is then
+ * simply not learned as a forward). */
 void code_state_learn_forward(CodeState *cs, PyCodeObject *code, PyObject *module);
 
 /* Mark `code` as never intercepted (rewritten code, generated graph code). 0 / -1.

@@ -1301,3 +1301,51 @@ def test_call_holding_keeps_the_calls_error_when_the_release_fails_too(monkeypat
     assert [str(r.exc_value) for r in reported] == ["release failed"]
     with pytest.raises(RuntimeError, match="release failed"):
         _C.call_holding(BreaksOnRelease(), int)
+
+
+class _MeddlingKey(str):
+    """An instance-dict key that collides with "forward": its __eq__ runs Python in the
+    middle of code_state_learn_forward's lookup, which drops the module's forward from
+    its class and collects."""
+    victim: Optional[type] = None
+
+    def __hash__(self):
+        return hash("forward")
+
+    def __eq__(self, other):
+        cls = type(self).victim
+        if cls is not None and "forward" in cls.__dict__:
+            type(self).victim = None
+            del cls.forward
+            gc.collect()
+        return False
+
+
+def test_python_in_the_middle_of_learning_a_forward():
+    """Whatever point of the lookups the collision's __eq__ lands in (nn.Module's, the
+    wrapper's, code_state_learn_forward's), compiled calls do what eager ones do."""
+    def outcomes(compile_it):
+        def run(self, x):
+            return x * 4
+
+        class Renamed(torch.nn.Module):
+            forward = run
+
+        model = Renamed()
+        model.__dict__[_MeddlingKey("f")] = 1
+        _MeddlingKey.victim = Renamed
+        if compile_it:
+            nnscaler.compile(model)
+        seen = []
+        x = torch.ones(2)
+        for step in range(4):
+            if step == 2:
+                Renamed.forward = run
+            try:
+                seen.append(model(x).tolist())
+            except (NotImplementedError, AttributeError) as exc:
+                seen.append(type(exc).__name__)
+        assert _MeddlingKey.victim is None   # the __eq__ did run
+        return seen
+
+    assert outcomes(True) == outcomes(False)
