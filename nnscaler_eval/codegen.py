@@ -107,6 +107,9 @@ class RunnerSpec:
     output: OutputLayout
     entry_grad_mode: bool  # grad mode when the graph starts (restored on exceptions)
     flag_names: tuple[str, ...] = ()  # the runner's training-flag parameters
+    # Plain values the forward wrote to modules of the root's tree, written again
+    # after the graph: (the module's path from the root, attribute, value).
+    state_writes: tuple[tuple[str, str, Any], ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -235,7 +238,12 @@ class _RunnerWriter:
         if path is None or spec.root_slot is None:
             # Only without a root: nothing in a cache holds the model through this.
             return self.bind(spec.attr_values[target], target.replace(".", "_") or "module")
-        expr = self.param_names[spec.root_slot]
+        return self.path_expr(path)
+
+    def path_expr(self, path: str) -> str:
+        """The module at `path` ("" for the root, "layers.0.attn") from the root slot."""
+        assert self.spec.root_slot is not None
+        expr = self.param_names[self.spec.root_slot]
         if path:
             for part in path.split("."):
                 expr += f"._modules[{part!r}]"
@@ -349,6 +357,15 @@ class _RunnerWriter:
             returned = self.output_expr(lambda i: f"{out}[{i}]")
         else:
             returned = self.write_graph(graph_nodes, body)
+
+        if spec.state_writes:
+            # The forward's writes of plain values to module state, after the graph
+            # as after eager's forward (what it returns is computed first).
+            result = self.names.fresh("result")
+            body.append(f"{result} = {returned}")
+            for path, name, value in spec.state_writes:
+                body.append(f"setattr({self.path_expr(path)}, {name!r}, {self.render(value)})")
+            returned = result
 
         header = f"def forward({', '.join(params)}):"
         lines = [header]

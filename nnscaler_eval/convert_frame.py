@@ -51,6 +51,8 @@ class EntryInfo:
     runner: Optional[Callable[..., Any]] = field(default=None, repr=False)
     not_guarded: list[str] = field(default_factory=list)   # state beyond the guard walk
     global_state: Any = field(default=None, repr=False)    # torch GlobalStateGuard
+    # plain values the runner writes to modules after the graph: (path, name, value)
+    state_writes: tuple = ()
 
     @property
     def graph_code(self) -> str:
@@ -279,8 +281,11 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                                  fullgraph=config.fullgraph,
                                  call=slot_call(fn, code, traced_slots, caller_depth))
     # The state walk serves value guards, which only entries with a graph get.
-    found = (walk_state(capture, self, recorder, fn, arguments) if capture.fallback is None
-             else state_guards.StateGuardSet())
+    # Guards describe the state a call starts from: attributes the forward wrote
+    # (replayed by the runner) are read as they were before it.
+    with capture.state_before_writes():
+        found = (walk_state(capture, self, recorder, fn, arguments)
+                 if capture.fallback is None else state_guards.StateGuardSet())
     unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
     if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
         at_fault = _mutated_types_of(mutable, arguments)
@@ -315,7 +320,8 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     reads = ReadContext(global_state, found)
 
     try:
-        entry = _make_entry(config, capture, code, self, key, where, reads)
+        with capture.state_before_writes():
+            entry = _make_entry(config, capture, code, self, key, where, reads)
     except Exception as exc:
         if config.fullgraph:
             raise
@@ -489,7 +495,8 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                           "; ".join(guards.names) or "none")
     info = EntryInfo(where, key, guards.names, capture.graph_module, capture.fallback,
                      config.backend_name, runner, guards.not_guarded,
-                     reads.global_state[0] if reads is not None else None)
+                     reads.global_state[0] if reads is not None else None,
+                     capture.runner_spec.state_writes if capture.runner_spec is not None else ())
     entry = _C.CacheEntry(runner, capture.training_inputs, guards.dicts, guards.flags,
                           guards.names, info, guards.values)
     collector = getattr(_local, "collector", None)

@@ -115,6 +115,10 @@ class ExplainReport:
                 lines.append("  guards:")
                 lines += [f"    key  {g}" for g in entry.key]
                 lines += [f"    state {g}" for g in entry.guards]
+                if entry.state_writes:
+                    lines.append("  state written again on every hit (the forward's writes):")
+                    lines += [f"    self{'.' + path if path else ''}.{name} = {value!r}"
+                              for path, name, value in entry.state_writes]
                 if entry.not_guarded:
                     lines.append("  not guarded (beyond the state walk's bounds): "
                                  + ", ".join(entry.not_guarded[:8])

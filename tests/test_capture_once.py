@@ -275,17 +275,18 @@ class CountsItsCalls(nn.Module):
 
     def forward(self, x):
         self.n = self.n + 1
+        self.seen = [self.n]     # a list: not a plain value a runner could write again
         return self.proj(x) * self.n
 
 
 def test_calls_run_eagerly_count_as_fallbacks():
-    """A write of a new value each call: each call runs eagerly (through its trace,
+    """A write of a new list each call: each call runs eagerly (through its trace,
     which falls back), and each counts as a fallback, not only as a miss."""
     eager, ours = _twins(CountsItsCalls)
     x = torch.randn(2, 4)
     for _ in range(4):
         torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
-    assert ours.n == eager.n == 4
+    assert ours.n == eager.n == 4 and ours.seen == eager.seen == [4]
     info = nnscaler.cache_info(ours)
     assert info.fallbacks == 4 and info.hits == 0, info
 
@@ -555,15 +556,16 @@ def test_writes_of_the_value_already_there_are_captured():
         torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
         assert (ours.window, ours.shift_size) == (eager.window, eager.shift_size)
     info = nnscaler.cache_info(ours)
-    # the first call changes shift_size and window (runs eagerly); then one capture
-    # per input size, each hit afterwards
-    assert info.fallbacks == 1 and info.hits >= 3, info
+    # the first call changes shift_size and window (captured, its writes replayed on
+    # a hit from that state); then one capture per input size, each hit afterwards
+    assert info.fallbacks == 0 and info.captures == 4 and info.hits == 3, info
     # put back from outside: the next call writes for real again, as eager does
     x = torch.randn(2, 4)
     for model in (eager, ours):
         model.shift_size, model.window = 1, 4
     torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
     assert (ours.window, ours.shift_size) == (eager.window, eager.shift_size) == (2, 0)
+    assert nnscaler.cache_info(ours).hits == 4   # the first entry, writes replayed
 
 
 class NamesItsAttributeAtRunTime(nn.Module):
@@ -668,3 +670,147 @@ def test_decorated_forwards_are_captured_inside_their_wrapper():
         report = nnscaler.explain(model, x)
         # the function the decorator wrapped is the graph; its wrapper runs as it is
         assert len(report.graphs) == 1 and "wrapper" not in report.entries[0].where, str(report)
+
+
+# ------------------------------------------------ writes of new plain values, replayed
+
+class PoolsWithAMultiplier(nn.Module):
+    """HF funnel's attention structure: a plain attribute reset and updated on every
+    call, left as the last call left it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.pooling_mult = None
+
+    def forward(self, x):
+        self.pooling_mult = 1
+        for _ in range(3):
+            x = self.proj(x) * self.pooling_mult
+            self.pooling_mult *= 2
+        return x
+
+
+class CountsSteps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.steps = 0
+        self.inner = nn.Identity()
+
+    def forward(self, x):
+        self.steps = self.steps + 1
+        self.inner.last_rows = x.shape[0]     # a submodule's attribute, new once
+        self.inner.phase = ("warm", self.steps > 2)
+        return self.proj(x) * self.steps
+
+
+def _plain_state(model: nn.Module) -> dict:
+    return {(path, k): v for path, m in model.named_modules() for k, v in vars(m).items()
+            if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))}
+
+
+@pytest.mark.parametrize("cls", [PoolsWithAMultiplier, CountsSteps])
+def test_writes_of_new_plain_values_are_replayed(cls):
+    eager, ours = _twins(cls)
+    for n in (2, 2, 3, 2, 0, 1, 2, 2):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        assert _plain_state(ours) == _plain_state(eager)
+    info = nnscaler.cache_info(ours)
+    assert info.fallbacks == 0, info
+
+
+def test_replayed_writes_hit_once_the_state_repeats():
+    eager, ours = _twins(PoolsWithAMultiplier)
+    x = torch.randn(2, 4)
+    for _ in range(5):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    # None -> 8 (first capture), then 8 -> 8 (second), then hits
+    info = nnscaler.cache_info(ours)
+    assert (info.captures, info.hits, info.fallbacks) == (2, 3, 0), info
+    for model in (eager, ours):
+        model.pooling_mult = None      # as built: the first entry hits, writes replayed
+    torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+    assert ours.pooling_mult == eager.pooling_mult == 8
+    assert nnscaler.cache_info(ours).hits == 4
+    text = str(nnscaler.explain(ours, x))
+    assert "self.pooling_mult = 8" in text, text
+
+
+class WritesTheMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x):
+        self.last = 1 if self.training else 0      # rewritten to ifexpr: a tracked int
+        return self.proj(x) + self.last
+
+
+def test_write_of_a_number_computed_from_the_mode_follows_it():
+    eager, ours = _twins(WritesTheMode)
+    x = torch.randn(2, 4)
+    for training in (True, False, True, False, False):
+        eager.train(training)
+        ours.train(training)
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        assert ours.last == eager.last == int(training)
+
+
+class WritesBesideAHook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calls_seen = 0
+        self.proj.register_forward_hook(lambda m, i, o: o * 2)
+
+    def forward(self, x):
+        self.calls_seen = 7
+        return self.proj(x)
+
+
+class WritesThroughAProperty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self._scale = 1
+
+    @property
+    def scale(self):
+        return self._scale
+
+    @scale.setter
+    def scale(self, value):
+        self.__dict__["_scale"] = value + 1
+
+    def forward(self, x):
+        self.scale = 3
+        return self.proj(x) * self.scale
+
+
+class WritesAList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.shape_seen = list(x.shape)
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("cls,why", [
+    (WritesBesideAHook, "module with hooks"),
+    (WritesThroughAProperty, "write to module state"),
+    (WritesAList, "write to module state"),
+])
+def test_writes_that_cannot_be_replayed_run_eagerly(cls, why):
+    eager, ours = _twins(cls)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        assert _plain_state(ours) == _plain_state(eager)
+    assert nnscaler.cache_info(ours).fallbacks == 3   # the forward ran eagerly each time
+    text = str(nnscaler.explain(nnscaler.compile(cls()), x))   # state as built
+    assert why in text, text

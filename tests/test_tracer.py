@@ -897,7 +897,7 @@ def test_breakpoint_falls_back(monkeypatch):
     assert sys.breakpointhook is not trace_patches._breakpointhook
 
 
-def test_module_state_writes_fall_back_and_happen_once():
+def test_module_state_writes_happen_once_kept_or_fall_back():
     class Counter(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -905,14 +905,26 @@ def test_module_state_writes_fall_back_and_happen_once():
             self.history = []
 
         def forward(self, x):
-            self.counter += 1  # <counter>
+            self.counter += 1
             return x + self.counter
 
     model = Counter()
     cap = trace(model, torch.zeros(1))
-    assert cap.fallback.lineno == line_of("counter")
-    assert "Counter.counter" in cap.fallback.reason
+    # a plain value: kept for the runner to write again, the value before it noted
+    assert cap.fallback is None
+    assert [(name, before, value) for _, name, before, value in cap.state_writes] == [
+        ("counter", 0, 1)]
     assert model.counter == 1 and cap.result.item() == 1.0
+    assert "setattr(" in cap.runner_source()
+
+    class Logger(Counter):
+        def forward(self, x):
+            self.history = self.history + [1]  # <history>
+            return x
+
+    cap = trace(Logger(), torch.zeros(1))
+    assert cap.fallback.lineno == line_of("history")
+    assert "Logger.history" in cap.fallback.reason
 
     class Sneaky(Counter):
         def forward(self, x):

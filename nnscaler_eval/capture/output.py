@@ -108,6 +108,10 @@ def make_capture(
             ),
             output=layout,
             entry_grad_mode=entry_grad_mode,
+            state_writes=tuple(
+                (nodes.module_paths[id(module)], name, value)
+                for module, name, _, value in modules.writes.values()
+            ),
         )
     return Capture(
         result=plain_result(result),
@@ -123,6 +127,8 @@ def make_capture(
         read_metadata=read_metadata,
         metadata_tensors=metadata_tensors if graph_module is not None else [],
         unproven_constants=list(unproven_constants) if graph_module is not None else [],
+        state_writes=[tuple(w) for w in modules.writes.values()]   # type: ignore[misc]
+        if graph_module is not None else [],
     )
 
 

@@ -7,9 +7,10 @@ happened while one node was being built, and that node is not recorded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.fx as fx
 import torch.nn as nn
@@ -17,6 +18,8 @@ import torch.nn as nn
 from nnscaler_eval import codegen
 from nnscaler_eval.codegen import RunnerSpec
 from nnscaler_eval.runtime import ifexpr
+
+MISSING_VALUE: Any = object()   # an attribute absent before the call (state_writes)
 
 
 @dataclass
@@ -97,6 +100,26 @@ class Capture:
     # (a global, a closure cell, a default); else computed in this run where the trace
     # could not see it (torch.no_grad leaves no grad_fn to tell), and not replayable.
     unproven_constants: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # Plain values the forward wrote to module attributes (`self.shift_size = 0`),
+    # each `(module, name, value before the call, value written last)`: the runner
+    # writes them again on every hit; the guards are built on the values before.
+    state_writes: list[tuple[nn.Module, str, Any, Any]] = field(default_factory=list, repr=False)
+
+    @contextlib.contextmanager
+    def state_before_writes(self) -> Iterator[None]:
+        """The written attributes as they were before the call, for as long as the
+        guards are being built (they describe the state a later call must start
+        from), then as the forward left them."""
+        for module, name, before, _ in reversed(self.state_writes):
+            if before is MISSING_VALUE:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = before
+        try:
+            yield
+        finally:
+            for module, name, _, value in self.state_writes:
+                module.__dict__[name] = value
 
     def make_runner(
         self, compiled: Optional[Callable[..., Any]] = None, *, training_folded: bool = False

@@ -11,6 +11,7 @@ output and the Capture (output).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import sys
 from typing import Any, Callable, Iterator, Optional
@@ -39,6 +40,7 @@ from nnscaler_eval.capture.training import (
     deps_of_args,
     global_hook_state,
     is_number,
+    is_plain,
     same_tensor_kind,
     tracked,
     unique_modules,
@@ -282,6 +284,15 @@ class Tracer(TorchFunctionMode):
                 "during forward",
                 location=self._forward_location(),
             )
+        elif self.modules.writes and self.modules.opaque:
+            # The runner replays the writes after the graph; a module run for real
+            # inside it (hooks) could read the attribute in between.
+            _, name, _, _ = next(iter(self.modules.writes.values()))
+            self.graph_break(
+                f"write to module state: {name!r} is written in a forward that also "
+                "runs a module with hooks",
+                location=self._forward_location(),
+            )
 
     # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
 
@@ -303,14 +314,48 @@ class Tracer(TorchFunctionMode):
 
     def on_module_setattr(self, module: nn.Module, name: str, value: Any = MISSING_VALUE) -> None:
         if id(module) in self.nodes.module_paths or id(module) in self.modules.visited:
-            if (value is not MISSING_VALUE and writes_nothing_new(module, name, value)
-                    and _names_literally(sys._getframe(2).f_code, name)):
+            named = _names_literally(sys._getframe(2).f_code, name)
+            if value is not MISSING_VALUE and named and writes_nothing_new(module, name, value):
                 # `self.shift_size = 0` where it is 0 already: nothing to replay.  The
                 # writing code names the attribute, so the state guards cover it (a
-                # later value put there by someone else recaptures, and the write,
-                # then a real one, falls back as eager runs it).
+                # later value put there by someone else recaptures).
+                return
+            if value is not MISSING_VALUE and named and self._replayable_write(module, name, value):
                 return
             self.graph_break(f"write to module state: {type(module).__name__}.{name} = ...")
+
+    def _replayable_write(self, module: nn.Module, name: str, value: Any) -> bool:
+        """Keep `module.name = value` as a write the runner replays on every hit.
+
+        Only a plain value (`is_plain`; a number computed from training flags is
+        specialised first) over a plain attribute (or none) of a module of the root's
+        tree, outside torch.cond branches: the value is then a constant of this
+        capture, determined by what its guards cover (the attribute's value before
+        the call among them, since the writing code names it)."""
+        if self.branch is not None or self.root is None:
+            return False
+        if id(module) not in self.nodes.module_paths:
+            return False
+        if isinstance(value, _TrackedNumber):
+            if value.tracer is not self or getattr(value, "data_dependent", False):
+                return False
+            self.specialise_number(value)
+            value = quiet_plain(value)
+        if not is_plain(value):
+            return False
+        for where in ("_parameters", "_buffers", "_modules"):
+            table = module.__dict__.get(where)
+            if isinstance(table, dict) and name in table:
+                return False
+        if type(module).__setattr__ is not nn.Module.__setattr__:
+            return False   # a class's own __setattr__ may write elsewhere
+        if hasattr(type(inspect.getattr_static(type(module), name, None)), "__set__"):
+            return False   # a property or slot: not an entry of the module's __dict__
+        current = module.__dict__.get(name, MISSING_VALUE)
+        if current is not MISSING_VALUE and not is_plain(current):
+            return False
+        self.modules.note_write(module, name, value)
+        return True
 
     def on_python_side_effect(self, what: str) -> None:
         self.graph_break(what)

@@ -25,6 +25,7 @@ import torch.nn as nn
 from nnscaler_eval import trace_patches
 from nnscaler_eval._install import global_hook_items
 from nnscaler_eval.capture.nodes import NodeMap
+from nnscaler_eval.capture.results import MISSING_VALUE
 from nnscaler_eval.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber
 
 _MISSING = object()
@@ -52,6 +53,9 @@ class TrackedModules:
         # through that own no tensors (see `visit`).
         self.created: set[int] = set()
         self.fresh: dict[int, nn.Module] = {}
+        # Plain values the forward wrote to module attributes, replayed on every hit
+        # (`note_write`): (id(module), name) -> [module, name, value before, value now].
+        self.writes: dict[tuple[int, str], list[Any]] = {}
 
     def forget(self) -> None:
         """Let go of every module once the capture is made (tables rebound, not
@@ -60,6 +64,7 @@ class TrackedModules:
         self.training_inputs, self.branched, self.visited = [], {}, {}
         self.snapshots, self.opaque = {}, {}
         self.created, self.fresh = set(), {}
+        self.writes = {}
 
     # -- flags ---------------------------------------------------------------------
 
@@ -154,6 +159,27 @@ class TrackedModules:
         self.visited[id(module)] = module
         self.snapshots[id(module)] = _module_state(module)
 
+    def note_write(self, module: nn.Module, name: str, value: Any) -> None:
+        """`module.name = value` (a plain value, `is_plain`) is about to happen: keep
+        the value the attribute held before the first such write and the latest one."""
+        key = (id(module), name)
+        write = self.writes.get(key)
+        if write is None:
+            self.writes[key] = [module, name, module.__dict__.get(name, MISSING_VALUE), value]
+        else:
+            write[3] = value
+
+    def _expected_state(self, key: int) -> dict[str, tuple[Any, Any]]:
+        """A visited module's snapshot with the writes `note_write` kept applied."""
+        state = self.snapshots[key]
+        written = [w for (k, _), w in self.writes.items() if k == key]
+        if not written:
+            return state
+        state = dict(state)
+        for _, name, _, value in written:
+            state[name] = (value, None)
+        return state
+
     def held_before(self, tensor: torch.Tensor) -> bool:
         """`tensor` was in a visited module's state when the trace first went through
         that module (an attribute, or an item of a dict, list or set attribute): it
@@ -181,7 +207,7 @@ class TrackedModules:
         for key, module in self.visited.items():
             if key in inside_opaque:
                 continue  # an opaque module runs for real on every call
-            changed = _same_state(self.snapshots[key], _module_state(module))
+            changed = _same_state(self._expected_state(key), _module_state(module))
             if changed is not None:
                 return module, changed
         return None
@@ -196,7 +222,8 @@ class TrackedModules:
         entry wrong yet valid by its versions, so it is dropped (the call's result
         stands; the next call captures again).
         """
-        visited, snapshots = dict(self.visited), dict(self.snapshots)
+        visited = dict(self.visited)
+        snapshots = {key: self._expected_state(key) for key in visited}
         inside_opaque = {id(m) for o in self.opaque.values() for m in o.modules()}
 
         def unchanged() -> bool:
@@ -238,7 +265,6 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
-MISSING_VALUE: Any = object()
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
@@ -253,6 +279,14 @@ def same_plain(a: Any, b: Any) -> bool:
     if type(a) is tuple:
         return len(a) == len(b) and all(same_plain(x, y) for x, y in zip(a, b))
     return type(a) in _PLAIN and a == b
+
+
+def is_plain(value: Any) -> bool:
+    """An int, float, complex, bool, str, bytes or None, or a tuple of them: a value a
+    runner can write again as a literal."""
+    if type(value) is tuple:
+        return all(is_plain(item) for item in value)
+    return type(value) in _PLAIN
 
 
 def writes_nothing_new(module: nn.Module, name: str, value: Any) -> bool:
