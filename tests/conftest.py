@@ -32,6 +32,11 @@ def _clean_state():
     yield
     nnscaler.reset()
     gc.collect()
+    # What outlived the test outlives the next ones too (imports, module-level
+    # models): a full collection after every test walked all of it, a second per test
+    # by the end of the suite.  Frozen, later collections skip it; objects made from
+    # here on are collected as before.
+    gc.freeze()
     assert _C.current_config() is None, "test left this thread armed"
     assert _C.armed_threads() == 0, "test left a thread armed"
     # Not is_default_eval_frame(): once torch.compile ran (eager torch.cond does),
