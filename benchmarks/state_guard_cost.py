@@ -44,11 +44,12 @@ def _per_call_us(fn: Callable[..., Any], arg: Any, n: int) -> float:
 def _ours_entry(module: torch.nn.Module) -> Any:
     import nnscaler_eval
     from nnscaler_eval import _C
-    code = type(module).forward
-    code = getattr(code, "__wrapped__", code).__code__
-    for bucket in (_C.code_state(code) or {}).get("buckets", []):
-        if bucket.self is module and bucket.entries:
-            return bucket.entries[0]
+    forward = type(module).forward
+    while forward is not None:   # a decorated forward: the bucket is on one of its codes
+        for bucket in (_C.code_state(forward.__code__) or {}).get("buckets", []):
+            if bucket.self is module and bucket.entries:
+                return bucket.entries[0]
+        forward = getattr(forward, "__wrapped__", None)
     raise RuntimeError(f"no cache entry for {type(module).__name__} ({nnscaler_eval.__file__})")
 
 

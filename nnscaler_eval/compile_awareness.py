@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -59,12 +60,27 @@ def _in_checkpointed_function() -> bool:
     return False
 
 
+_running_for_real = threading.local()
+
+
+@contextlib.contextmanager
+def eager_answers() -> Iterator[None]:
+    """Code run for real during a capture (a module the graph calls opaquely, run
+    again on every hit) gets torch's answer, as it will on those hits."""
+    previous = getattr(_running_for_real, "on", False)
+    _running_for_real.on = True
+    try:
+        yield
+    finally:
+        _running_for_real.on = previous
+
+
 def _is_compiling() -> bool:
     # The thread holding the capture lock is the one capturing (one capture at a
     # time, process-wide: trace_state).  Derived from the lock, not from a counter of
     # our own: an interrupt can land between any two bytecodes, and the lock is the
     # one piece of this state that is repaired in a `finally` whatever happens.
-    if trace_state.capture_depth():
+    if trace_state.capture_depth() and not getattr(_running_for_real, "on", False):
         # A checkpointed function runs again in backward, where no capture is on and
         # this says False: during the capture it takes that same path (eager's), or
         # the recomputation differs and checkpoint raises CheckpointError.

@@ -254,6 +254,18 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                      "running it eagerly")
         return RUN_EAGERLY, None
 
+    if tracer.takes_eval_fast_path(self):
+        # Traced, torch's fused eval path is never taken (see calls.py): such a
+        # layer runs as eager runs it, here and as an opaque node inside others'
+        # graphs.  Guarded on its mode: in training it is captured as usual.
+        fallback = tracer.Fallback(
+            f"{type(self).__name__} in eval takes torch's fast path, which a trace "
+            "cannot take", *_forward_line(code))
+        if config.fullgraph:
+            raise tracer.GraphBreakError(fallback)
+        _make_entry(config, tracer.Capture(None, None, fallback, [], [(self, False)], [], [],
+                                           slot_names), code, self, key, where)
+        return RUN_EAGERLY, None
     early = (tracer.input_fallback(fn, slots[first:], slot_names[first:])
              or _mutated_before(code, slot_names[first:], slots[first:]))
     if early is not None:
@@ -438,6 +450,8 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
     changed = state_guards.mutated_arguments(mutable)
     if changed is not None:
         return f"{_SIDE_EFFECT_ON_ARGUMENT}: the forward changed {changed[0]}"
+    if found.unguardable:
+        return f"the forward can read state no guard can compare: {found.unguardable[0]}"
     written = recorder.global_writes()
     if written:
         return f"side effect on globals: the forward wrote global {written[0]!r}"

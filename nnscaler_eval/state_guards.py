@@ -30,7 +30,9 @@ does not cache the capture.
 """
 from __future__ import annotations
 
+import array
 import dis
+import functools
 import gc
 import keyword
 import os
@@ -243,23 +245,95 @@ class StateGuardSet:
     names: list[str] = field(default_factory=list)
     state_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     truncated: list[str] = field(default_factory=list)
+    # state the capture could read that no guard can compare: the capture is not kept
+    unguardable: list[str] = field(default_factory=list)
 
     def add(self, spec: tuple[Any, ...], name: str) -> None:
         self.specs.append(spec)
         self.names.append(name)
 
 
+_ENVIRON_READERS = tuple(f for f in (getattr(os, "getenv", None), getattr(os, "getenvb", None))
+                         if f is not None)
+MAX_CONTENT_BYTES = 1 << 20
+
+
+def _slot_names(cls: type) -> frozenset:
+    """The names of the slots `cls` and its bases declare (instance attributes that
+    live outside any `__dict__`)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        declared = klass.__dict__.get("__slots__", ())
+        if isinstance(declared, str):
+            declared = (declared,)
+        names.update(n for n in declared if n not in ("__dict__", "__weakref__"))
+    return frozenset(names)
+
+
+def _is_ndarray(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+def _content_reader(obj: Any) -> Optional[Callable[[Any], Any]]:
+    """How to read `obj`'s contents for a comparison, or None if it cannot be (too
+    large, or of a kind without bytes)."""
+    if isinstance(obj, (bytearray, array.array)):
+        if len(obj) * getattr(obj, "itemsize", 1) > MAX_CONTENT_BYTES:
+            return None
+        return lambda o: (type(o), bytes(o))
+    if _is_ndarray(obj):
+        if obj.nbytes > MAX_CONTENT_BYTES or obj.dtype.hasobject:
+            return None
+        return lambda o: (o.dtype.str, o.shape, o.strides, o.tobytes())
+    return None
+
+
+class _Contents:
+    """A value guard (VG_CALL) on state without a dict version: what `read` gives
+    for the object now equals what it gave at capture (values compared as the dict
+    guards compare them: identity, or value for plain scalars and tuples of them)."""
+
+    __slots__ = ("obj", "read", "expected")
+
+    def __init__(self, obj: Any, read: Callable[[Any], Any]) -> None:
+        self.obj = obj
+        self.read = read
+        self.expected = read(obj)
+
+    def __call__(self) -> bool:
+        try:
+            return _same(self.read(self.obj), self.expected)
+        except Exception:
+            return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return isinstance(a, _ATOMS) and a == b
+
+
 class _StateWalk:
     """Builds the value guards for one capture (see the module docstring)."""
 
-    def __init__(self, names: set[str], labels: dict[int, str]) -> None:
+    def __init__(self, names: set[str], labels: dict[int, str],
+                 visited: Iterable[nn.Module] = ()) -> None:
         self.names = names
+        # modules the trace called: guard_builder guards their trees and hooks
+        self.visited = {id(m) for m in visited}
         self.watched = frozenset(names)
         self._watched_sets: dict[frozenset, frozenset] = {frozenset(): self.watched}
         self.labels = labels
         self.out = StateGuardSet()
         self._seen: set[int] = set()
-        self._dicts: set[int] = set()
+        # id(dict) -> (keys guarded, True where a guard watches for new names in it,
+        # "exact" where one checks all of its keys)
+        self._dicts: dict[int, tuple[set[Any], Any]] = {}
         self._keep: list[Any] = []
 
     def _label(self, obj: Any, fallback: str) -> str:
@@ -278,21 +352,34 @@ class _StateWalk:
 
         `names=None`: the names captured code can look up (attribute namespaces);
         otherwise exactly those keys (a plain dict: all of its keys)."""
-        if id(namespace) in self._dicts:
-            return
-        self._dicts.add(id(namespace))
+        # A dict reached twice (a module's globals, as the scope of a function that
+        # ran and as a module object user code reads attributes of) is guarded for
+        # the union of what each way reads: a second guard takes the keys the first
+        # did not cover.
+        covered = self._dicts.get(id(namespace))
         skipped = set(skip)
+        if covered is not None:
+            if covered[1] == "exact":
+                return
+            if not exact:   # an exact guard checks every key, covered or not
+                skipped |= covered[0]
         watched: Optional[frozenset] = None
         if names is None:
             # the watched names it holds; the addition of another one is caught by the
             # watched set (keys absent now need no entry of their own)
             keys = tuple(k for k in namespace if isinstance(k, str) and k in self.names
                          and k not in skipped)
-            watched = self._watched_without(frozenset(skipped))
+            if covered is None or not covered[1]:
+                watched = self._watched_without(frozenset(skipped))
         else:
             keys = tuple(k for k in names if k not in skipped)
-            if not keys and not exact:
-                return
+        if not keys and not exact and watched is None:
+            return
+        if covered is None:
+            covered = (set(), False)
+        covered[0].update(keys)
+        self._dicts[id(namespace)] = (covered[0], "exact" if exact else
+                                      bool(covered[1] or watched is not None))
         values = tuple(namespace.get(k, MISSING) for k in keys)
         present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
         # With its owner, the guard holds the owner weakly and the dict not at all.
@@ -332,8 +419,19 @@ class _StateWalk:
             self.visit(value.__func__, f"{label}.__func__", depth + 1)
             self.visit(value.__self__, f"{label}.__self__", depth + 1)
         elif isinstance(value, types.ModuleType):
-            if not _is_library_module(value):
-                self.guard_namespace(value.__dict__, f"module {value.__name__}", depth)
+            # A library module too (`F.gelu`, `torch.tanh`, `helpers.act` where
+            # helpers has no file): the names the captured code reads through it.
+            self.guard_namespace(value.__dict__, f"module {value.__name__}", depth)
+            if value is os:
+                self.guard_environ(depth)
+        elif value is os.environ or any(value is f for f in _ENVIRON_READERS):
+            self.guard_environ(depth)
+        elif isinstance(value, functools.partial):
+            self.visit(value.func, f"{label}.func", depth + 1)
+            self.visit(value.args, f"{label}.args", depth + 1)
+            self.visit(value.keywords, f"{label}.keywords", depth + 1)
+        elif isinstance(value, (bytearray, array.array)) or _is_ndarray(value):
+            self.guard_contents(value, label)
         elif isinstance(value, type):
             self.visit_class(value, depth)
         else:
@@ -344,6 +442,12 @@ class _StateWalk:
         # `training` is a graph input or a flag guard; the tree and hook dicts are
         # version-guarded by guard_builder; children are walked below.
         self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS, owner=module)
+        if id(module) not in self.visited:
+            # A container the forward iterated or indexed without calling it
+            # (ModuleList, ModuleDict, Sequential): an appended, replaced or removed
+            # child changes what the forward runs.
+            self.guard_namespace(module._modules, f"{label}._modules", depth,
+                                 names=list(module._modules), exact=True)
         self.visit_class(type(module), depth)
         for name, child in module._modules.items():
             if child is not None:
@@ -354,9 +458,38 @@ class _StateWalk:
         if type(namespace) is dict:
             weakly = type(obj).__weakrefoffset__ != 0
             self.guard_namespace(namespace, label, depth, owner=obj if weakly else None)
-        elif namespace is None and hasattr(type(obj), "__slots__"):
-            self.out.truncated.append(f"{label} ({type(obj).__name__} has __slots__)")
+        slots = _slot_names(type(obj)) & self.names
+        if slots:
+            # Attributes in slots: no dict, so no version; compared on every hit.
+            names = tuple(sorted(slots))
+            guard = _Contents(obj, lambda o, names=names: tuple(
+                getattr(o, n, MISSING) for n in names))
+            self.out.add((VG_CALL, guard), f"{label}: slots {', '.join(names)} "
+                                           f"of a {type(obj).__name__} (compared on each call)")
+            for name, value in zip(names, guard.expected):
+                self.visit(value, f"{label}.{name}", depth + 1)
         self.visit_class(type(obj), depth)
+
+    def guard_environ(self, depth: int) -> None:
+        """os.environ, read by `os.environ[...]`, `.get` or `os.getenv`: its whole
+        content (a dict of bytes whose version moves on every change)."""
+        data = getattr(os.environ, "_data", None)
+        if type(data) is dict:
+            self.guard_namespace(data, "os.environ", depth, names=list(data), exact=True)
+        else:
+            self.guard_contents(os.environ, "os.environ")
+
+    def guard_contents(self, obj: Any, label: str) -> None:
+        """A mutable object no dict version covers (a NumPy array, a bytearray):
+        its bytes, compared on every hit; one too large to compare makes the
+        capture run eagerly."""
+        read = _content_reader(obj)
+        if read is None:
+            self.out.unguardable.append(
+                f"{label} (a {type(obj).__name__} the guards cannot compare)")
+            return
+        self.out.add((VG_CALL, _Contents(obj, read)),
+                     f"{label}: contents of a {type(obj).__name__} (compared on each call)")
 
     def visit_class(self, cls: type, depth: int) -> None:
         for klass in cls.__mro__:
@@ -405,7 +538,8 @@ def build_state_value_guards(
     metadata_tensors: Iterable[torch.Tensor] = (),
 ) -> StateGuardSet:
     """The value guards of one capture; `labels`: id(module) -> path for messages."""
-    walk = _StateWalk(recorder.names(), labels)
+    modules = list(modules)
+    walk = _StateWalk(recorder.names(), labels, modules)
     if root is not None:
         walk.visit(root, "self", 0)
     for module in modules:
@@ -453,7 +587,12 @@ def identity_keyed(value: Any, depth: int = 0) -> Iterable[Any]:
     """The objects inside an argument that the per-call key names by identity (see
     guards/call_key.c): their state is guarded; containers keyed by value are not
     (the next call passes other containers with the same contents)."""
-    if depth > MAX_DEPTH or isinstance(value, (_ATOMS, torch.Tensor, nn.Module)):
+    if isinstance(value, (_ATOMS, torch.Tensor, nn.Module)):
+        return
+    if depth >= MAX_DEPTH:
+        # guards/call_key.c keys containers by value above its depth bound (the same
+        # MAX_DEPTH) and by identity from there: their contents are state to guard
+        yield value
         return
     if type(value) in (tuple, list) or (isinstance(value, tuple) and not hasattr(value, "__dict__")):
         for item in value:

@@ -52,8 +52,10 @@ The parts, one concern a module; the Tracer composes the others, none imports it
 - results.py       what a capture hands back: Capture, Fallback, GraphBreakError
 """
 
+from nnscaler_eval.capture.calls import takes_eval_fast_path
 from nnscaler_eval.capture.inputs import input_fallback
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError
 from nnscaler_eval.capture.tracer import Tracer, capture
 
-__all__ = ["Capture", "Fallback", "GraphBreakError", "Tracer", "capture", "input_fallback"]
+__all__ = ["Capture", "Fallback", "GraphBreakError", "Tracer", "capture", "input_fallback",
+           "takes_eval_fast_path"]

@@ -265,12 +265,27 @@ def _has_call_hooks(module: nn.Module) -> bool:
 
 
 
+# torch layers whose forward, in eval, takes a fused "fast path" (nested tensors
+# for padding masks: padded rows come out exactly 0) only when no torch function
+# mode is active: traced, they would take the other path, whose padded rows differ.
+# In eval they run for real, as one node, so every call takes eager's own path.
+_EVAL_FAST_PATHS = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def takes_eval_fast_path(module: Any) -> bool:
+    """`module` is a torch layer that eager runs through its fused eval path when it
+    can (the plain bool `training`, read outside any trace)."""
+    return isinstance(module, _EVAL_FAST_PATHS) and module.__dict__.get("training") is False
+
+
 def runs_opaque(module: nn.Module) -> bool:
     """Is a call of `module` one opaque node, run for real, rather than inlined?"""
     return (
         _has_call_hooks(module)
         or getattr(module, "_compiled_call_impl", None) is not None
         or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
+        # reading `training` here specialises the capture on it (a guard)
+        or (isinstance(module, _EVAL_FAST_PATHS) and not module.training)
     )
 
 

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from nnscaler_eval import _C, direct_calls, trace_patches
 from nnscaler_eval.capture import calls, output
 from nnscaler_eval.capture import cond as torch_cond
+from nnscaler_eval.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
 from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
@@ -477,7 +478,11 @@ class Tracer(TorchFunctionMode):
         except RecordingAborted:
             return call(module, *args, **kwargs)
         self.modules.opaque[id(module)] = module
-        with self.suspended(tuple(module.modules())):
+        # A layer with an eval fast path runs with no torch function mode active,
+        # as eager runs it: with one, torch takes its other path.
+        unseen = (torch._C.DisableTorchFunction() if calls.takes_eval_fast_path(module)
+                  else contextlib.nullcontext())
+        with self.suspended(tuple(module.modules())), unseen, eager_answers():
             result = call(module, *quiet_plain(args), **quiet_plain(kwargs))
         if not self.recording:
             return result
