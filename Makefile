@@ -4,6 +4,7 @@
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
 #   make leakcheck  refcount/memory soak of the C paths
 #   make fuzz    long differential fuzzing of the bytecode rewrite
+#   make fuzz-state  the state-mutation fuzzer over five seeds (tests/state_fuzz.py)
 #   make test-3.12 / 3.13 / 3.14   the suite on another CPython (3.12 from pyenv, others unpacked
 #                from ../shared/python/; skipped with a message when absent)
 #   PYV=3.12 / 3.13 / 3.14 with build, test or fuzz: that version's venv (.venv-3.13 ...)
@@ -23,7 +24,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv build demo test asan leakcheck fuzz bench bench-quick bench-ir lint clean sysdeps \
+.PHONY: all venv build demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps \
 	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
@@ -130,6 +131,13 @@ leakcheck: build
 
 fuzz: build
 	NNSCALER_FUZZ_CASES=20000 $(PY) -m pytest -q -s tests/test_rewrite_fuzz.py
+
+# The state-mutation fuzzer (tests/state_fuzz.py) over several seeds: each seed orders
+# the mutations differently, so each change lands on other state left by the last.
+fuzz-state: build
+	@status=0; for seed in 0 1 2 3 4; do \
+	  $(PY) tests/state_fuzz.py --mutations 5000 --seed $$seed || status=1; \
+	done; exit $$status
 
 # The suite on CPython 3.12 / 3.13 / 3.14; a clear SKIP (success) without the interpreters.
 test-3.12 test-3.13 test-3.14:

@@ -295,10 +295,18 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     # The state walk serves value guards, which only entries with a graph get.
     # Guards describe the state a call starts from: attributes the forward wrote
     # (replayed by the runner) are read as they were before it.
-    with capture.state_before_writes():
-        found = (walk_state(capture, self, recorder, fn, arguments)
-                 if capture.fallback is None else state_guards.StateGuardSet())
-    unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
+    try:
+        with capture.state_before_writes():
+            found = (walk_state(capture, self, recorder, fn, arguments)
+                     if capture.fallback is None else state_guards.StateGuardSet())
+        unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
+    except Exception as exc:
+        if config.fullgraph:
+            raise
+        # Our own failure after the forward ran: its result stands, nothing is kept.
+        warn_at_user(f"nnscaler: guarding the capture of {where} failed ({exc!r}); "
+                     "this call's result is kept and the next call captures again")
+        return capture.result, None
     if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
         at_fault = _mutated_types_of(mutable, arguments)
         _remember_mutated_types(code, at_fault)

@@ -102,6 +102,8 @@ if not isinstance(torch.Tensor.__dict__.get("data"), property):
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl",
                                                        "_nnscaler_region_caches"}
 
+_TREE_DICTS = ("_modules", "_parameters", "_buffers")
+
 MAX_DEPTH = 8
 _CO_NEWLOCALS = 0x2
 MAX_OBJECTS = 4096
@@ -147,6 +149,16 @@ def _is_library_function(fn: types.FunctionType) -> bool:
             and _is_library_module(module))
 
 
+_NN_MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _is_torch_layer(code: types.CodeType) -> bool:
+    """Code of torch.nn's layers (not nn.Module's own machinery, whose globals are the
+    hook registries guard_builder guards)."""
+    filename = code.co_filename
+    return _TORCH_NN_DIR in filename and not filename.endswith(_NN_MODULE_FILE)
+
+
 def _names_of(code: types.CodeType) -> Iterable[str]:
     yield from code.co_names
     for const in code.co_consts:
@@ -184,7 +196,9 @@ class CodeRecorder:
             self.functions.append(fn)
             code = fn.__code__
             self.codes.setdefault(id(code), code)
-            if not _is_library_function(fn):
+            # torch.nn's layers too: what they look up in their own module's globals
+            # (nn.Dropout's F.dropout) is what a user replacing F.dropout changes.
+            if not _is_library_function(fn) or _is_torch_layer(code):
                 scope = fn.__globals__
                 entry = self.globals.setdefault(id(scope), (scope, set()))
                 entry[1].update(code.co_names)
@@ -347,7 +361,8 @@ class _StateWalk:
 
     def guard_namespace(self, namespace: dict, label: str, depth: int,
                         names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
-                        owner: Any = None, exact: bool = False) -> None:
+                        owner: Any = None, exact: bool = False,
+                        pinned: tuple[str, ...] = (), walk: bool = True) -> None:
         """Guard `namespace[key]` for the keys captured code can read, and walk them.
 
         `names=None`: the names captured code can look up (attribute namespaces);
@@ -368,7 +383,8 @@ class _StateWalk:
             # the watched names it holds; the addition of another one is caught by the
             # watched set (keys absent now need no entry of their own)
             keys = tuple(k for k in namespace if isinstance(k, str) and k in self.names
-                         and k not in skipped)
+                         and k not in skipped and k not in pinned)
+            keys += tuple(k for k in pinned if k in namespace and k not in skipped)
             if covered is None or not covered[1]:
                 watched = self._watched_without(frozenset(skipped))
         else:
@@ -387,7 +403,8 @@ class _StateWalk:
                      f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
                      f"{', ...' if len(present) > 6 else ''})")
         for key, value in present:
-            self.visit(value, f"{label}.{key}", depth + 1)
+            if walk and key not in pinned:
+                self.visit(value, f"{label}.{key}", depth + 1)
 
     def visit(self, value: Any, label: str, depth: int) -> None:
         if isinstance(value, _ATOMS) or isinstance(value, _OPAQUE):
@@ -420,8 +437,11 @@ class _StateWalk:
             self.visit(value.__self__, f"{label}.__self__", depth + 1)
         elif isinstance(value, types.ModuleType):
             # A library module too (`F.gelu`, `torch.tanh`, `helpers.act` where
-            # helpers has no file): the names the captured code reads through it.
-            self.guard_namespace(value.__dict__, f"module {value.__name__}", depth)
+            # helpers has no file): the names the captured code reads through it;
+            # a library module's own values are not walked further (library code is
+            # trusted for what it reads of its own state).
+            self.guard_namespace(value.__dict__, f"module {value.__name__}", depth,
+                                 walk=not _is_library_module(value))
             if value is os:
                 self.guard_environ(depth)
         elif value is os.environ or any(value is f for f in _ENVIRON_READERS):
@@ -441,7 +461,11 @@ class _StateWalk:
         label = self._label(module, f"<{type(module).__name__}>")
         # `training` is a graph input or a flag guard; the tree and hook dicts are
         # version-guarded by guard_builder; children are walked below.
-        self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS, owner=module)
+        # The tree dicts by identity (compared, not walked: guard_builder and the
+        # container guard below compare their contents): Sequential.__delitem__
+        # rebinds `_modules` to a new dict, leaving the guarded one unchanged.
+        self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS - frozenset(_TREE_DICTS),
+                             owner=module, pinned=_TREE_DICTS)
         if id(module) not in self.visited:
             # A container the forward iterated or indexed without calling it
             # (ModuleList, ModuleDict, Sequential): an appended, replaced or removed

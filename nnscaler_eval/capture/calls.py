@@ -15,7 +15,10 @@ The tracer asks; this module only answers, from the call and its result.
 
 from __future__ import annotations
 
+import inspect
 import operator
+import sys
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -270,6 +273,35 @@ def _has_call_hooks(module: nn.Module) -> bool:
 # mode is active: traced, they would take the other path, whose padded rows differ.
 # In eval they run for real, as one node, so every call takes eager's own path.
 _EVAL_FAST_PATHS = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def undispatched_result(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What the torch function that dispatched to `func` computes without a torch
+    function mode: eager's answer where the user replaced that torch function by a
+    wrapper calling the original (`F.dropout = wrapper`), whose dispatch then names the
+    wrapper, which would run twice.
+
+    The original is the frame that called `handle_torch_function`: its code runs again
+    on the arguments it holds, with torch function dispatch off.  Without such a
+    frame, `func` itself runs (the best that can be done)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "handle_torch_function":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    if caller is None:
+        return func(*args, **kwargs)
+    code = caller.f_code
+    count = code.co_argcount + code.co_kwonlyargcount
+    names = code.co_varnames[:count]
+    local = caller.f_locals
+    if code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or \
+            any(n not in local for n in names):
+        return func(*args, **kwargs)
+    original = types.FunctionType(code, caller.f_globals, code.co_name)
+    positional = [local[n] for n in names[:code.co_argcount]]
+    keywords = {n: local[n] for n in names[code.co_argcount:]}
+    with torch._C.DisableTorchFunction():
+        return original(*positional, **keywords)
 
 
 def takes_eval_fast_path(module: Any) -> bool:

@@ -31,7 +31,7 @@ from nnscaler_eval.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
 from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
-from nnscaler_eval.capture.locations import record_source, user_location
+from nnscaler_eval.capture.locations import is_library_file, record_source, user_location
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
 from nnscaler_eval.capture.training import (
@@ -516,6 +516,13 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
+        if inspect.isfunction(func) and not is_library_file(func.__code__.co_filename):
+            # The user replaced a torch function (`F.dropout = wrapper`) and torch's own
+            # dispatch named the replacement (the original looks itself up by global
+            # name): which op it stands for is unknown, and its body runs untraced here.
+            self.graph_break(f"{qualname(func)} replaced a torch function and reached torch "
+                             "function dispatch")
+            return calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
         if not self.recording:
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         if func in calls.STATE_CHANGES:  # e.g. set_grad_enabled(self.training): a branch
