@@ -46,7 +46,8 @@ PyCodeObject *nns_frame_code(NnsFrame *frame);
 PyObject *nns_frame_function(NnsFrame *frame);   /* the PyFunctionObject, or NULL */
 /* The frame's argument slots as an array of PyObject *: entries [0, n) where n is
  * the code's parameter count (+1 for *args, +1 for **kwargs) are the bound arguments
- * (borrowed, never NULL); later entries must not be read.  Only inside the
+ * (borrowed); later entries must not be read.  NULL with MemoryError only on 3.14,
+ * whose first read in a bracket copies them (later reads in it cannot fail).  Only inside the
  * frame's nns_frame_run_enter/leave bracket (below), and valid until it is left.
  * On 3.14 the slots are tagged _PyStackRef values (a set low bit marks a reference
  * not counted on the object, e.g. an immortal; the tags must stay, the interpreter

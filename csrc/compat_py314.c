@@ -70,9 +70,10 @@ nns_frame_localsplus(NnsFrame *frame)
     if (n > (Py_ssize_t)(sizeof(run->args_small) / sizeof(run->args_small[0]))) {
         args = PyMem_Malloc((size_t)n * sizeof(PyObject *));
         if (args == NULL) {
-            /* The callers cannot fail here (a PyObject ** is what 3.11-3.13 hand
-             * out for free); running out of memory for a few pointers is fatal. */
-            Py_FatalError("nnscaler: out of memory copying a frame's arguments");
+            /* The callers report it as an internal error and run the frame as it is
+             * (compat.h); only this first read in a bracket can fail. */
+            PyErr_NoMemory();
+            return NULL;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {

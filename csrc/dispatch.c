@@ -266,6 +266,9 @@ handle_miss(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeState *c
     PyObject **slots = nns_frame_localsplus(frame);
     Py_ssize_t skip = self != NULL;
 
+    if (slots == NULL) {   /* read before, in this bracket: cannot fail (compat.h) */
+        goto internal_error;
+    }
     if (built != NULL) {
         /* The key is built once.  The lookup's was built from these slots, and no
          * code ran since its build began (no CALL_KEY_RAN_PYTHON: no tensor-subclass
@@ -474,6 +477,9 @@ dispatch_capture(PyThreadState *ts, NnsFrame *frame, PyCodeObject *code, CodeSta
     CallKey key;
     call_key_init(&key, 0);
 
+    if (slots == NULL) {   /* read before, in this bracket: cannot fail (compat.h) */
+        goto internal_error;
+    }
     if (owner == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "frame has no function object");
         goto internal_error;

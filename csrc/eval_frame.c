@@ -56,7 +56,11 @@ eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject 
             /* A forward under another name (`forward = fwd` in the class body, an
              * instance's bound `forward`): what nn.Module calls decides, not the
              * name.  Seen on the code's first frame, the one nn.Module made. */
-            PyObject *self = nns_frame_localsplus(frame)[0];
+            PyObject **args = nns_frame_localsplus(frame);
+            if (args == NULL) {
+                goto internal_error;
+            }
+            PyObject *self = args[0];
             if (self != NULL && PyObject_TypeCheck(self, nns_globals.module_type)) {
                 code_state_learn_forward(cs, code, self);
             }
@@ -74,6 +78,9 @@ eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject 
     }
     if (config != nns_globals.rewrite_mode) {
         PyObject **slots = nns_frame_localsplus(frame);
+        if (slots == NULL) {
+            goto internal_error;
+        }
         /* A module forward is keyed per `self` even when it is also the compiled
          * target (compile(model.forward)): a module in the key would pin it. */
         if ((cs->flags & CS_FORWARD) &&

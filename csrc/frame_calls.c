@@ -110,7 +110,15 @@ frame_run_rewritten(PyThreadState *ts, NnsFrame *frame, CodeState *cs, int throw
         }
         return frame_run_default(ts, frame, throw_flag);
     }
-    PyObject *result = call_with_slots(fn, nns_frame_code(frame), nns_frame_localsplus(frame));
+    PyObject **slots = nns_frame_localsplus(frame);
+    if (slots == NULL) {
+        Py_DECREF(fn);
+        if (nns_report_internal_error("running rewritten code") < 0) {
+            return NULL;
+        }
+        return frame_run_default(ts, frame, throw_flag);
+    }
+    PyObject *result = call_with_slots(fn, nns_frame_code(frame), slots);
     Py_DECREF(fn);
     return result;
 }

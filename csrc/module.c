@@ -377,6 +377,17 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "CO_EXTRA_DIRECT", code_state_direct) < 0) {
         return -1;
     }
+    /* The value-guard kinds (guards/value_guards.h): state_guards.py reads them here,
+     * the one source of their numbers. */
+    if (PyModule_AddIntConstant(module, "VG_DICT", VG_DICT) < 0 ||
+        PyModule_AddIntConstant(module, "VG_LIST", VG_LIST) < 0 ||
+        PyModule_AddIntConstant(module, "VG_CELL", VG_CELL) < 0 ||
+        PyModule_AddIntConstant(module, "VG_FUNCTION", VG_FUNCTION) < 0 ||
+        PyModule_AddIntConstant(module, "VG_TENSOR", VG_TENSOR) < 0 ||
+        PyModule_AddIntConstant(module, "VG_CALL", VG_CALL) < 0 ||
+        PyModule_AddIntConstant(module, "VG_TENSORS", VG_TENSORS) < 0) {
+        return -1;
+    }
     struct { PyObject **slot; const char *s; } names[] = {
         {&guard_env.str_training, "training"},
         {&nns_globals.str_forward, "forward"},

@@ -11,9 +11,6 @@ entry_traverse(CacheEntry *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->runner);
     Py_VISIT(self->training_refs);
-    for (Py_ssize_t i = 0; i < self->n_dicts; i++) {
-        Py_VISIT(self->dicts[i]);
-    }
     for (Py_ssize_t i = 0; i < self->n_flags; i++) {
         Py_VISIT(self->flag_refs[i]);
     }
@@ -34,9 +31,6 @@ entry_clear(CacheEntry *self)
 {
     Py_CLEAR(self->runner);
     Py_CLEAR(self->training_refs);
-    for (Py_ssize_t i = 0; i < self->n_dicts; i++) {
-        Py_CLEAR(self->dicts[i]);
-    }
     for (Py_ssize_t i = 0; i < self->n_flags; i++) {
         Py_CLEAR(self->flag_refs[i]);
     }
@@ -54,8 +48,6 @@ entry_dealloc(CacheEntry *self)
 {
     PyObject_GC_UnTrack(self);
     entry_clear(self);
-    PyMem_Free(self->dicts);
-    PyMem_Free(self->versions);
     PyMem_Free(self->flag_refs);
     PyMem_Free(self->flag_values);
     PyMem_Free(self->flag_dicts);
@@ -88,28 +80,27 @@ weakref_tuple(PyObject *modules, const char *what)
 }
 
 PyDoc_STRVAR(entry_doc,
-"CacheEntry(runner, training_modules, dict_guards, flag_guards, guard_names, info,\n"
-"           value_guards=())\n\n"
+"CacheEntry(runner, training_modules, flag_guards, guard_names, info, value_guards=())\n\n"
 "One captured graph and its guards.  `runner` is called as runner(*slots, *flags)\n"
 "on a hit (None: run the frame eagerly).  `training_modules` give the flags passed\n"
-"to the runner.  `dict_guards` are dicts whose version is snapshotted now; any\n"
-"change makes the entry stale.  `flag_guards` are (module, bool) pairs compared by\n"
-"value.  `value_guards` are spec tuples (guards/value_guards.h) on values the\n"
-"capture read.  `guard_names` describe the guards: dict, flag, then value guards.");
+"to the runner.  `flag_guards` are (module, bool) pairs compared by value.\n"
+"`value_guards` are spec tuples (guards/value_guards.h) on the state the capture\n"
+"read, the module tree and hook dicts among them.  `guard_names` describe the\n"
+"guards: flag, then value guards.");
 
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"runner", "training_modules", "dict_guards", "flag_guards",
-                             "guard_names", "info", "value_guards", NULL};
-    PyObject *runner, *training_modules, *dict_guards, *flag_guards, *guard_names, *info;
+    static char *kwlist[] = {"runner", "training_modules", "flag_guards", "guard_names",
+                             "info", "value_guards", NULL};
+    PyObject *runner, *training_modules, *flag_guards, *guard_names, *info;
     PyObject *value_guards = NULL;
-    PyObject *dicts_seq = NULL, *flags_seq = NULL, *values_seq = NULL;   /* owned */
+    PyObject *flags_seq = NULL, *values_seq = NULL;   /* owned */
     CacheEntry *self = NULL;                          /* owned */
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO|O:CacheEntry", kwlist, &runner,
-                                     &training_modules, &dict_guards, &flag_guards,
-                                     &guard_names, &info, &value_guards)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|O:CacheEntry", kwlist, &runner,
+                                     &training_modules, &flag_guards, &guard_names, &info,
+                                     &value_guards)) {
         return NULL;
     }
     if (runner != Py_None && !PyCallable_Check(runner)) {
@@ -126,8 +117,7 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if ((self->training_refs = weakref_tuple(training_modules, "training_modules must be a sequence")) == NULL) {
         goto error;
     }
-    if ((dicts_seq = PySequence_Fast(dict_guards, "dict_guards must be a sequence")) == NULL ||
-        (flags_seq = PySequence_Fast(flag_guards, "flag_guards must be a sequence")) == NULL) {
+    if ((flags_seq = PySequence_Fast(flag_guards, "flag_guards must be a sequence")) == NULL) {
         goto error;
     }
     values_seq = value_guards == NULL ? PyTuple_New(0)
@@ -135,30 +125,16 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (values_seq == NULL) {
         goto error;
     }
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(dicts_seq);
     Py_ssize_t nf = PySequence_Fast_GET_SIZE(flags_seq);
     Py_ssize_t nv = PySequence_Fast_GET_SIZE(values_seq);
-    self->dicts = PyMem_Calloc((size_t)nd + 1, sizeof(PyObject *));
-    self->versions = PyMem_Calloc((size_t)nd + 1, sizeof(uint64_t));
     self->flag_refs = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->flag_values = PyMem_Calloc((size_t)nf + 1, 1);
     self->flag_dicts = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->values = PyMem_Calloc((size_t)nv + 1, sizeof(ValueGuard));
-    if (!self->dicts || !self->versions || !self->flag_refs || !self->flag_values ||
+    if (!self->flag_refs || !self->flag_values ||
         !self->flag_dicts || !self->values) {
         PyErr_NoMemory();
         goto error;
-    }
-    for (Py_ssize_t i = 0; i < nd; i++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(dicts_seq, i);
-        if (!PyDict_Check(d)) {
-            PyErr_Format(PyExc_TypeError, "CacheEntry: dict_guards[%zd] is a %.100s, not a dict",
-                         i, Py_TYPE(d)->tp_name);
-            goto error;
-        }
-        self->dicts[i] = Py_NewRef(d);
-        self->versions[i] = nns_dict_version(d);
-        self->n_dicts = i + 1;
     }
     for (Py_ssize_t i = 0; i < nf; i++) {
         PyObject *pair = PySequence_Fast_GET_ITEM(flags_seq, i);
@@ -204,17 +180,15 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if ((self->guard_names = PySequence_Tuple(guard_names)) == NULL) {
         goto error;
     }
-    if (PyTuple_GET_SIZE(self->guard_names) != nd + nf + nv) {
+    if (PyTuple_GET_SIZE(self->guard_names) != nf + nv) {
         PyErr_Format(PyExc_ValueError, "CacheEntry: %zd guard_names for %zd guards",
-                     PyTuple_GET_SIZE(self->guard_names), nd + nf + nv);
+                     PyTuple_GET_SIZE(self->guard_names), nf + nv);
         goto error;
     }
-    Py_DECREF(dicts_seq);
     Py_DECREF(flags_seq);
     Py_DECREF(values_seq);
     return (PyObject *)self;
 error:
-    Py_XDECREF(dicts_seq);
     Py_XDECREF(flags_seq);
     Py_XDECREF(values_seq);
     Py_XDECREF(self);
@@ -276,19 +250,13 @@ int
 cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
 {
     /* No watched dict changed since every dict of this entry was last seen
-     * unchanged: the dict guards and the plain VG_DICT guards hold as they did. */
+     * unchanged: the plain VG_DICT guards hold as they did. */
     const uint64_t clock = nns_dict_clock();
     const int dicts_unchanged = clock != 0 && entry->clean_clock == clock;
-    for (Py_ssize_t i = 0; i < entry->n_dicts && !dicts_unchanged; i++) {
-        if (nns_dict_version(entry->dicts[i]) != entry->versions[i]) {
-            *failed = i;
-            return -1;
-        }
-    }
     for (Py_ssize_t i = 0; i < entry->n_flags; i++) {
         PyObject *module = nns_weakref_object(entry->flag_refs[i]);
         if (module == Py_None) {
-            *failed = entry->n_dicts + i;
+            *failed = i;
             return -1;
         }
         if (dicts_unchanged && flag_vouched(entry, i, module)) {
@@ -298,11 +266,11 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         PyObject *flag = read_training(module, &from_dict);
         if (flag == NULL) {
             PyErr_Clear();
-            *failed = entry->n_dicts + i;
+            *failed = i;
             return 0;
         }
         if ((flag == Py_True) != (entry->flag_values[i] != 0)) {
-            *failed = entry->n_dicts + i;
+            *failed = i;
             return 0;
         }
         /* Watched from here on (3.12+: starting to watch moves the clock, so the entry
@@ -326,7 +294,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             }
         }
     }
-    Py_ssize_t base = entry->n_dicts + entry->n_flags;
+    Py_ssize_t base = entry->n_flags;
     /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
      * reached through its owner, that the owner lives, has its class and still has
      * that dict as its __dict__ (CPython tells nothing of `obj.__class__ = ...` or
@@ -399,7 +367,7 @@ entry_get_key_hash(CacheEntry *self, void *Py_UNUSED(closure))
 static PyObject *
 entry_get_n_guards(CacheEntry *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromSsize_t(self->n_dicts + self->n_flags + self->n_values);
+    return PyLong_FromSsize_t(self->n_flags + self->n_values);
 }
 
 static PyObject *

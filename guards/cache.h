@@ -1,19 +1,17 @@
 /* cache.h - cache entries (a captured graph and its guards) and buckets (the
  * entries of one code object for one `self`).
  *
- * Guard kind 2, object state by invalidation: an entry snapshots the version tag of
- * every dict it depends on (hook dicts, _modules/_parameters/_buffers of each module
- * the trace went through, global hook dicts); any change to one of those dicts makes
- * the entry stale for good, and it is dropped on the next lookup.  Training flags that
- * were branched on are compared by value (a toggle back makes the entry valid again).
- *
- * Guards on plain values the capture read (module attributes, globals, cells, ...)
- * are ValueGuards (value_guards.h): re-validated when their dict's version moves.
+ * Guards (docs/design.md, "Guards"): training flags that were branched on are
+ * compared by value (a toggle back makes the entry valid again); everything else the
+ * capture depends on is a ValueGuard (value_guards.h): the module tree and hook dicts
+ * of each module the trace went through (same objects under the same keys), and the
+ * plain values it read (module attributes, globals, cells, ...), re-validated when
+ * their dict's version moves.
  *
  * References: an entry owns its runner, the guarded dicts and value guards, weak
  * references to modules, weak references to the objects its key names by identity
  * where they can be weakly referenced (strong ones otherwise), and `info`.  Strong
- * references it holds (guarded dicts, hook dicts, expected values) can lead back to
+ * references it holds (guarded dicts, expected values) can lead back to
  * a module or to the compiled wrapper; every one of them is traversed, and buckets
  * are owned by a GC-visible home (cache_table.h), so such cycles are collected.
  */
@@ -40,9 +38,6 @@ typedef struct {
     PyObject_HEAD
     PyObject *runner;          /* owned callable, or NULL: run the frame eagerly */
     PyObject *training_refs;   /* owned tuple of weakrefs: flags passed to the runner */
-    Py_ssize_t n_dicts;
-    PyObject **dicts;          /* owned */
-    uint64_t *versions;
     Py_ssize_t n_flags;
     PyObject **flag_refs;      /* owned weakrefs to modules */
     char *flag_values;
@@ -56,7 +51,7 @@ typedef struct {
                                   cannot vouch for, other than the owners' dicts */
     Py_ssize_t n_owners;
     OwnerCheck *owners;        /* PyMem: the owner-reached VG_DICTs */
-    PyObject *guard_names;     /* owned tuple of str: dict, flag, then value guards */
+    PyObject *guard_names;     /* owned tuple of str: flag, then value guards */
     PyObject *info;            /* owned: the Python-side description (explain) */
     unsigned char *key;        /* PyMem block, the stored call key */
     size_t key_len;

@@ -1,5 +1,5 @@
-/* value_guards.h - guards on Python values a capture read (guard kind 2 of DESIGN.md,
- * beyond the module tree and hook dicts that cache.c checks by version alone).
+/* value_guards.h - guards on Python values a capture read (docs/design.md, "Guards",
+ * the module tree and hook dicts included: guard_builder.py makes them exact VG_DICTs).
  *
  * A concrete trace sees values, not where they came from: every plain value that
  * shaped the graph (`self.scale`, `Dropout.p`, a global, a closure cell, a default, an

@@ -3,6 +3,14 @@ from types import CodeType
 from typing import Any, Callable, Optional, Sequence
 
 CO_EXTRA_DIRECT: int   # 1: the evaluator reads co_extra without a call into CPython
+# value-guard kinds (guards/value_guards.h), the first item of a value-guard spec
+VG_DICT: int
+VG_LIST: int
+VG_CELL: int
+VG_FUNCTION: int
+VG_TENSOR: int
+VG_CALL: int
+VG_TENSORS: int
 
 class ArmToken: ...
 
@@ -16,7 +24,7 @@ class CacheEntry:
     clean_clock: int
     key_description: tuple[str, ...]
     def __init__(self, runner: Optional[Callable[..., Any]], training_modules: Sequence[Any],
-                 dict_guards: Sequence[dict], flag_guards: Sequence[tuple[Any, bool]],
+                 flag_guards: Sequence[tuple[Any, bool]],
                  guard_names: Sequence[str], info: Any,
                  value_guards: Sequence[tuple[Any, ...]] = ()) -> None: ...
     def check_verbose(self) -> Optional[str]: ...

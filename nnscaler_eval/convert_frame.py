@@ -519,7 +519,7 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                      config.backend_name, runner, guards.not_guarded,
                      reads.global_state[0] if reads is not None else None,
                      capture.runner_spec.state_writes if capture.runner_spec is not None else ())
-    entry = _C.CacheEntry(runner, capture.training_inputs, guards.dicts, guards.flags,
+    entry = _C.CacheEntry(runner, capture.training_inputs, guards.flags,
                           guards.names, info, guards.values)
     collector = getattr(_local, "collector", None)
     if collector is not None:

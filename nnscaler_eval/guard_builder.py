@@ -1,10 +1,10 @@
-"""From one capture to its guards (kinds 2 and 3 of DESIGN.md; kind 1, the per-call
-key, is computed in C from the call's arguments).
+"""From one capture to its guards (docs/design.md, "Guards": kinds 2 and 3; kind 1,
+the per-call key, is computed in C from the call's arguments).
 
-State guards are dicts whose version the C entry snapshots: for every module the
-trace went through, its `_modules`, `_parameters` and `_buffers` (the module tree) and,
-unless `skip_nnmodule_hook_guards`, its hook dicts, plus the global hook dicts.
-Training flags the trace branched on are guarded by value.  Plain values the capture
+Structural guards: for every module the trace went through, its `_modules`,
+`_parameters` and `_buffers` (the module tree) and, unless `skip_nnmodule_hook_guards`,
+its hook dicts, plus the global hook dicts, each compared by value (below).  Training
+flags the trace branched on are guarded by value.  Plain values the capture
 could have read (attributes, globals, cells, argument objects' state, tensor metadata,
 global torch state) are value guards, built by `state_guards`.
 """
@@ -39,9 +39,8 @@ HOOK_DICTS = (
 
 @dataclass
 class StateGuards:
-    dicts: list[dict]
     flags: list[tuple[torch.nn.Module, bool]]
-    names: list[str]          # dict guards first, then flag guards, then value guards
+    names: list[str]          # flag guards first, then value guards
     values: list[tuple[Any, ...]] = field(default_factory=list)   # value-guard specs
     not_guarded: list[str] = field(default_factory=list)          # beyond the walk's bounds
 
@@ -67,7 +66,7 @@ def build_state_guards(capture: Any, root: Optional[torch.nn.Module], skip_hook_
     like the flags the trace branched on).  `reads`: what the capture ran and read
     (value guards); None builds the structural guards only."""
     names = module_names(root)
-    guards = StateGuards([], [], [])
+    guards = StateGuards([], [])
     seen: set[int] = set()
 
     tree_specs: list[tuple[Any, ...]] = []

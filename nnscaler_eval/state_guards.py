@@ -1,4 +1,4 @@
-"""Guards on the Python state a capture read (DESIGN.md, guard kind 2: values).
+"""Guards on the Python state a capture read (docs/design.md, "Guards", kind 3: values).
 
 A concrete trace sees values, not where they came from: `x * self.scale` records a
 multiplication by 0.5, whatever `self.scale` is next time.  So every plain value the
@@ -51,8 +51,9 @@ from nnscaler_eval.capture.locations import is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
-# Spec kinds understood by guards/value_guards.c.
-VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS = range(7)
+# Spec kinds understood by guards/value_guards.c, which defines their numbers.
+VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS = (
+    _C.VG_DICT, _C.VG_LIST, _C.VG_CELL, _C.VG_FUNCTION, _C.VG_TENSOR, _C.VG_CALL, _C.VG_TENSORS)
 
 # Bumped whenever nn.Module._apply runs (`.to()`, `.half()`, `.cuda()`, `.float()`...)
 # or a tensor's `.data` is assigned (`param.data = other`): the ways torch changes

@@ -1,4 +1,5 @@
-"""The C cache entry: guards by dict version and by training-flag value."""
+"""The C cache entry: value guards on dicts (re-validated when a version moves) and
+training-flag guards by value."""
 from __future__ import annotations
 
 import gc
@@ -9,24 +10,31 @@ import pytest
 import torch
 
 from nnscaler_eval import _C
+from nnscaler_eval.state_guards import MISSING, VG_DICT
 
 
 def make_entry(dicts=(), flags=(), names=None, runner=None, modules=()):
-    names = names if names is not None else [f"g{i}" for i in range(len(dicts) + len(flags))]
-    return _C.CacheEntry(runner, list(modules), list(dicts), list(flags), names, {"info": 1})
+    """`dicts` are guarded as guard_builder guards the module tree: the same objects
+    under exactly the same keys."""
+    names = names if names is not None else [f"g{i}" for i in range(len(flags) + len(dicts))]
+    specs = [(VG_DICT, d, tuple(d), tuple(d.values()), MISSING, None, True)
+             if isinstance(d, dict) else (VG_DICT, d) for d in dicts]
+    return _C.CacheEntry(runner, list(modules), list(flags), names, {"info": 1}, specs)
 
 
-def test_dict_version_guard_goes_stale_on_any_change():
-    d = {"a": 1}
+def test_dict_guard_follows_the_contents_both_ways():
+    marker = object()
+    d = {"a": marker}
     e = make_entry([d], names=["hooks of self"])
     assert e.check_verbose() is None
-    d["a"] = 1  # the same object stored again: CPython leaves the version alone
+    d["a"] = marker  # the same object stored again
     assert e.check_verbose() is None
-    d["a"] = 2
+    d["a"] = object()
     assert e.check_verbose() == "hooks of self"
-    e2 = make_entry([d])
-    d.pop("a")
-    assert e2.check_verbose() == "g0"
+    d["a"] = marker   # put back: valid again
+    assert e.check_verbose() is None
+    d["b"] = marker
+    assert e.check_verbose() == "hooks of self"
 
 
 def test_flag_guard_follows_the_value_both_ways():
@@ -53,7 +61,7 @@ def test_entry_holds_modules_weakly():
     "kwargs, error, match",
     [
         (dict(runner=3), TypeError, "callable"),
-        (dict(dicts=[[]]), TypeError, r"dict_guards\[0\] is a list"),
+        (dict(dicts=[[]]), (TypeError, ValueError), r"value_guards\[0\]|expected"),
         (dict(flags=[(torch.nn.Linear(1, 1),)]), TypeError, r"flag_guards\[0\]"),
         (dict(dicts=[{}], names=[]), ValueError, "0 guard_names for 1 guards"),
         (dict(modules=[object()]), TypeError, "weak"),

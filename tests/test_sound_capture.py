@@ -391,7 +391,7 @@ def test_guard_specs_are_not_modified():
     target = types.SimpleNamespace()
     d, lst = {"a": target}, [target]
     values, items = (target,), (target,)
-    _C.CacheEntry(None, [], [], [], ["d", "l"], None,
+    _C.CacheEntry(None, [], [], ["d", "l"], None,
                   [(VG_DICT, d, ("a",), values, MISSING), (VG_LIST, lst, items)])
     assert values[0] is target and items[0] is target
 
