@@ -2,7 +2,7 @@
 #   make demo    compile a small transformer and show what was captured, guarded, measured
 #   make test    build the extension (-Wall -Wextra, no warnings allowed) and run pytest
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
-#   make leakcheck  refcount/memory soak of the C paths
+#   make leakcheck  refcount/memory soak of the C paths (the suite's soaks, 3x the rounds)
 #   make fuzz    long differential fuzzing of the bytecode rewrite
 #   make fuzz-state  the state-mutation fuzzer over five seeds (tests/state_fuzz.py)
 #   make test-3.12 / 3.13 / 3.14   the suite on another CPython (3.12 from pyenv, others unpacked

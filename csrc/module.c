@@ -16,31 +16,6 @@
 #include "recursion.h"
 #include "rewrite.h"
 
-NnsGlobals nns_globals = {.code_extra_index = -1};
-GuardEnv guard_env;
-
-int
-nns_report_internal_error(const char *where)
-{
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    /* Only ordinary errors fail open.  KeyboardInterrupt, SystemExit, MemoryError
-     * and any other BaseException that is not an Exception propagate. */
-    if (type == NULL || !PyErr_GivenExceptionMatches(type, PyExc_Exception) ||
-        PyErr_GivenExceptionMatches(type, PyExc_MemoryError)) {
-        PyErr_Restore(type, value, tb);
-        return -1;
-    }
-    int rc = PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
-                              "nnscaler: %s failed (%R); the frame runs without it",
-                              where, value ? value : Py_None);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-    return rc;
-}
-
 /* ------------------------------------------------------------------ arming */
 
 PyDoc_STRVAR(arm_doc,

@@ -203,7 +203,7 @@ cache_table_retire_all(CacheTable *table)
 
 /* ---------------------------------------------------------------- the type */
 
-CacheTable *
+static CacheTable *
 cache_table_new(PyObject *config)
 {
     CacheTable *table = PyObject_GC_New(CacheTable, &CacheTable_Type);

@@ -1,70 +1,22 @@
-"""Hands the C core the Python objects it needs; run once when nnscaler_eval is imported."""
+"""Hands the C core the Python objects it needs; run once when nnscaler_eval is imported
+(the objects themselves live in shared_objects.py, below everything that uses them)."""
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.modules.module as _module_mod
 
 from nnscaler_eval import _C
+from nnscaler_eval.convert_frame import convert_frame
 from nnscaler_eval.runtime import ifexpr
-
-
-class _RewriteMode:
-    """The config object that arms a thread in rewrite mode (no capture)."""
-
-    def __repr__(self) -> str:
-        return "<nnscaler rewrite mode>"
-
-
-class _RunEagerly:
-    """What convert_frame returns when the frame should simply be evaluated."""
-
-    def __repr__(self) -> str:
-        return "<nnscaler run eagerly>"
-
-
-class _RunDisarmed:
-    """What convert_frame returns when the frame, and the frames it calls, should run
-    without interception (cache_size_limit reached)."""
-
-    def __repr__(self) -> str:
-        return "<nnscaler run disarmed>"
-
-
-REWRITE_MODE = _RewriteMode()
-RUN_EAGERLY = _RunEagerly()
-RUN_DISARMED = _RunDisarmed()
-# Frames of files under this directory are removed from tracebacks of user errors.
-INTERNAL_PREFIX = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-GLOBAL_HOOK_DICT_NAMES = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_forward_hooks_with_kwargs",
-    "_global_forward_hooks_always_called",
+from nnscaler_eval.shared_objects import (
+    INTERNAL_PREFIX,
+    REWRITE_MODE,
+    RUN_DISARMED,
+    RUN_EAGERLY,
+    global_hook_dicts,
 )
 
 
-def global_hook_items() -> list[tuple[str, dict]]:
-    """(name, dict) of torch's global module-hook registries present in this torch."""
-    items = []
-    for name in GLOBAL_HOOK_DICT_NAMES:
-        value = getattr(_module_mod, name, None)
-        if isinstance(value, dict):
-            items.append((name, value))
-    return items
-
-
-def global_hook_dicts() -> tuple[dict, ...]:
-    return tuple(d for _, d in global_hook_items())
-
-
 def install() -> None:
-    from nnscaler_eval.convert_frame import convert_frame
-
     _C.install(
         ifexpr,
         convert_frame,

@@ -28,7 +28,7 @@ import torch
 
 from nnscaler_eval import _C, logs, state_guards, trace_state
 from nnscaler_eval.compile_awareness import compile_safe_paths
-from nnscaler_eval._install import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
+from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import adopt_region_bucket
 from nnscaler_eval.fx_source import release_source_with
 from nnscaler_eval.guard_builder import ReadContext, build_state_guards, walk_state

@@ -15,7 +15,7 @@ import functools
 from typing import Any, Callable, Optional, TypeVar
 
 from nnscaler_eval import _C
-from nnscaler_eval._install import REWRITE_MODE
+from nnscaler_eval.shared_objects import REWRITE_MODE
 from nnscaler_eval.config import CompileConfig
 
 F = TypeVar("F", bound=Callable[..., Any])

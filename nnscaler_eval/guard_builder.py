@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from nnscaler_eval import state_guards
-from nnscaler_eval._install import global_hook_items
+from nnscaler_eval.shared_objects import global_hook_items
 
 # The module tree and the hook dicts are guarded by value: the same objects under
 # exactly the same keys, re-validated when the dict's version moved. By version alone

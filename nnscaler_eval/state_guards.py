@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from nnscaler_eval import _C
-from nnscaler_eval.capture.locations import is_library_file
+from nnscaler_eval.locations import is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 

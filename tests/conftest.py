@@ -15,6 +15,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    import leakcheck
+    leakcheck.LONG = bool(config.getoption("--run-slow"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_slow = pytest.mark.skip(reason="slow: run with --run-slow (make leakcheck)")

@@ -12,9 +12,16 @@ import tracemalloc
 from typing import Callable
 
 
+# Set by conftest.py when pytest runs with --run-slow (`make leakcheck`).
+LONG = False
+
+
 def assert_flat(workload: Callable[[], None], rounds: int = 4, block_slack: int = 200,
-                byte_slack: int = 256 * 1024) -> None:
-    workload()  # warm caches, interned strings, first-time allocations
+                byte_slack: int = 256 * 1024, warmup: int = 1) -> None:
+    if LONG:
+        rounds *= 3   # make leakcheck: the same soaks, three times the rounds
+    for _ in range(warmup):
+        workload()  # warm caches, interned strings, first-time allocations
     gc.collect()
     tracemalloc.start()
     try:

@@ -23,7 +23,7 @@ import torch
 
 import nnscaler
 from nnscaler_eval import _C
-from nnscaler_eval._install import REWRITE_MODE
+from nnscaler_eval.shared_objects import REWRITE_MODE
 from nnscaler_eval.config import CompileConfig
 from models import meddling_training
 
@@ -132,7 +132,7 @@ def test_reset_while_reading_training_flags():
 DROPPED_TOKEN_IN_CAPTURE = r"""
 import gc, sys, torch, nnscaler
 from nnscaler_eval import _C
-from nnscaler_eval._install import REWRITE_MODE
+from nnscaler_eval.shared_objects import REWRITE_MODE
 
 class Model(torch.nn.Module):
     def forward(self, x):

@@ -64,11 +64,13 @@ def test_cache_hits_do_not_leak():
     assert info.captures == 1 and info.hits >= 100_000
 
 
-@pytest.mark.xfail(
-    sys.version_info >= (3, 13), strict=False,
-    reason="3.13+: allocated blocks keep settling after leakcheck's one warm-up round "
-           "(measured on 3.13: +205, +117, +154, +254, +111, +67, +42, +26 blocks per "
-           "250 recaptures over 8 rounds: warming caches, not a per-recapture leak)")
+# 3.13+: allocated blocks keep settling for several rounds (measured on 3.13: +205,
+# +117, +154, +254, +111, +67, +42, +26 blocks per 250 recaptures over 8 rounds:
+# warming caches), so the soak warms up longer there; a leak of one block per
+# recapture would still show as 250 per round.
+_RECAPTURE_WARMUP = 6 if sys.version_info >= (3, 13) else 1
+
+
 def test_recaptures_do_not_leak():
     m = nnscaler.compile(torch.nn.Linear(4, 4))
     x = torch.randn(2, 4)
@@ -79,7 +81,7 @@ def test_recaptures_do_not_leak():
             handle.remove()  # the hook dict changed: the entry is stale
             m(x)
 
-    assert_flat(workload)  # 1,000 recaptures
+    assert_flat(workload, warmup=_RECAPTURE_WARMUP)  # 1,000 recaptures measured
     assert nnscaler.cache_info(m).entries == 1
 
 

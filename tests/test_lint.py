@@ -60,10 +60,9 @@ def test_guards_depend_only_on_their_own_headers_and_the_version_layer():
 
 
 # Headers with no source file of their own name: the version layer (compat.h, its
-# functions in compat_*.c) and the objects set once at install (nns_globals.h,
-# guard_env.h, filled by module.c).  Every file may use them; they are not nodes of
-# the graph below.  A new header without a same-named source must be added here.
-LAYER_HEADERS = {"compat.h", "nns_globals.h", "guard_env.h"}
+# functions in compat_*.c).  Every file may use it; it is not a node of the graph
+# below.  A new header without a same-named source must be added here.
+LAYER_HEADERS = {"compat.h"}
 
 
 def _project_includes(path: pathlib.Path) -> set[str]:
@@ -281,3 +280,52 @@ def test_no_with_lock_statements():
         offenders += [f"{rel}:{line} with {name}:"
                       for line, name in _with_lock_statements(path.read_text())]
     assert offenders == [], "hold locks through nnscaler_eval._C.call_holding"
+
+
+def external_definitions(text: str) -> list[str]:
+    """Names a C source defines with external linkage: functions whose name starts a
+    line after a return-type line that is not `static` (the house style), and
+    file-scope variables that are neither static, extern nor typedefs."""
+    lines = text.splitlines()
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        function = re.match(r"^([A-Za-z_]\w*)\s*\(", line)
+        if function and i > 0 and not lines[i - 1].startswith(("static", "#", "/*", " ")) \
+                and lines[i - 1].strip() and not lines[i - 1].rstrip().endswith((";", "}")):
+            j = i
+            while j < len(lines) and not lines[j].rstrip().endswith((")", "{", ";")):
+                j += 1
+            if j + 1 < len(lines) and not lines[j].rstrip().endswith(";"):
+                found.append(function.group(1))
+        variable = re.match(
+            r"^(?!static\b|extern\b|typedef\b|return\b|struct\s+\w+\s*;)[A-Za-z_][\w\s\*]*?"
+            r"\b([A-Za-z_]\w*)\s*(=[^;]*)?;\s*$", line)
+        if variable and "(" not in line:
+            found.append(variable.group(1))
+    return [n for n in found if not n.startswith("PyInit_")]
+
+
+def test_each_source_defines_only_what_its_own_header_declares():
+    """Definition-level layering, which includes alone cannot see: a file that
+    defines what another file's header declares (module.c defining nns_globals)
+    makes every user of that header depend on it, a cycle through the root.  So a
+    source's external names are declared in its own header (compat_*.c: compat.h)."""
+    offenders = {}
+    for path in C_FILES:
+        if path.suffix not in (".c", ".cpp"):
+            continue
+        header = (ROOT / "csrc" / "compat.h" if path.name.startswith("compat_")
+                  else path.with_suffix(".h"))
+        declared = header.read_text() if header.exists() else ""
+        missing = [n for n in external_definitions(path.read_text())
+                   if not re.search(rf"\b{n}\b", declared)]
+        if missing:
+            offenders[path.name] = missing
+    assert offenders == {}
+
+
+def test_the_definition_check_sees_functions_and_variables():
+    text = ("static int\nhidden(void)\n{\n}\n\nint\nshown(int x)\n{\n}\n"
+            "Thing thing = {0};\nstatic Thing kept;\nextern Thing elsewhere;\n"
+            "int declared(void);\ntypedef int alias;\n")
+    assert external_definitions(text) == ["shown", "thing"]

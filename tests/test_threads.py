@@ -213,7 +213,7 @@ def test_cache_limit_counts_entries_still_on_their_way_to_c():
     """C inserts an entry after convert_frame returned, outside the capture lock; a
     capture on another thread in between must count it (here: a reply not yet
     consumed, as C holds it meanwhile)."""
-    from nnscaler_eval._install import RUN_DISARMED
+    from nnscaler_eval.shared_objects import RUN_DISARMED
     from nnscaler_eval.config import CompileConfig
     from nnscaler_eval.convert_frame import convert_frame
 

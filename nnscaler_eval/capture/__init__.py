@@ -48,7 +48,6 @@ The parts, one concern a module; the Tracer composes the others, none imports it
 - global_state.py  grad mode and autocast, synced into the graph before each node
 - output.py        output assembly: the output layout and the finished Capture
 - inputs.py        which arguments can be graph inputs (`input_fallback`)
-- locations.py     the user's file:line for nodes and fallbacks
 - results.py       what a capture hands back: Capture, Fallback, GraphBreakError
 """
 

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from nnscaler_eval import _C
 from nnscaler_eval.capture.calls import qualname, tensors_in
-from nnscaler_eval.capture.locations import user_location
+from nnscaler_eval.locations import user_location
 from nnscaler_eval.capture.nodes import class_name, identifier
 from nnscaler_eval.capture.results import Fallback, GraphBreakError, RecordingAborted
 from nnscaler_eval.codegen import InputPath

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from nnscaler_eval import trace_patches
-from nnscaler_eval.capture.locations import record_source
+from nnscaler_eval.locations import record_source
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 

@@ -31,7 +31,7 @@ from nnscaler_eval.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
 from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
-from nnscaler_eval.capture.locations import is_library_file, record_source, user_location
+from nnscaler_eval.locations import is_library_file, record_source, user_location
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
 from nnscaler_eval.capture.training import (

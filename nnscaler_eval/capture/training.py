@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from nnscaler_eval import trace_patches
-from nnscaler_eval._install import global_hook_items
+from nnscaler_eval.shared_objects import global_hook_items
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import MISSING_VALUE
 from nnscaler_eval.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber

@@ -2,8 +2,8 @@
 
 A frame belongs to the user unless its file is under torch, under nnscaler_eval (this
 package included), or in the standard library; third-party packages under the
-interpreter's lib dir are the user's models. state_guards and trace_patches ask
-`is_library_file` too.
+interpreter's lib dir are the user's models.  Below the capture, state_guards and
+trace_patches, which all ask it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from nnscaler_eval._install import INTERNAL_PREFIX
+from nnscaler_eval.shared_objects import INTERNAL_PREFIX
 
 _PACKAGE_DIRS = (
     os.path.join(os.path.dirname(torch.__file__), ""),
