@@ -93,7 +93,8 @@ int bytecode_resolve_jumps(const NnsInstrList *list, int index);
 
 /* Assemble `list` into a new code object: `code` with co_code, co_linetable,
  * co_exceptiontable and co_stacksize replaced, and co_consts replaced by `consts`
- * when it is not NULL (borrowed). */
+ * when it is not NULL (borrowed).  May run Python: code.replace() is called through
+ * the object protocol, and the allocations can start the GC. */
 PyObject *bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts);
 
 /* Decode and re-assemble `code` unchanged: a check of this layer (tests compare the

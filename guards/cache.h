@@ -115,7 +115,8 @@ int cache_bucket_runs_eagerly(CacheBucket *bucket, PyObject *const *args, Py_ssi
 CacheEntry *cache_lookup(CacheBucket *bucket, CallKey *key);
 
 /* Store `entry` under `key` (a copy of its bytes, and a reference to its pins).  A
- * dead bucket (reset() during the capture) stores nothing.  0 / -1. */
+ * dead bucket (reset() during the capture) stores nothing.  0 / -1.  May run Python:
+ * allocating the stored key and growing the entry list can start the GC. */
 int cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key);
 
 /* describe_call_key(key, names=None): see call_key_describe; `key` a CallKey or a
@@ -124,7 +125,9 @@ PyObject *cache_describe_call_key(PyObject *module, PyObject *const *args, Py_ss
                                   PyObject *kwnames);
 
 /* Module-level read of a module's training flag, normalised to Py_True/Py_False.
- * Borrowed result; NULL with an exception set on error. */
+ * Borrowed result; NULL with an exception set on error.  May run Python: a
+ * `training` property or `__getattr__` on the module's class, `__bool__` of what it
+ * returns. */
 PyObject *cache_read_training(PyObject *module);
 
 #endif

@@ -42,6 +42,8 @@ typedef struct {
 
 /* `flags`: CALL_KEY_PINS for a key that will be stored, else 0. */
 void call_key_init(CallKey *key, int flags);
+/* Drop the key's buffer and its pins.  May run Python: releasing the last reference
+ * to a pinned object runs its finaliser (__del__, weakref callbacks). */
 void call_key_release(CallKey *key);
 
 /* Encode `values[0..n)` (borrowed; the caller keeps them alive) and hash. 0, or -1

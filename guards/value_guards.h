@@ -92,7 +92,8 @@ typedef struct {
  * (a clear TypeError/ValueError naming what is wrong with the spec). */
 int value_guard_init(ValueGuard *guard, PyObject *spec);
 
-/* Release what `guard` owns (safe on a zeroed or partly filled guard). */
+/* Release what `guard` owns (safe on a zeroed or partly filled guard).  May run
+ * Python: the last reference to an expected value or a VG_CALL callable can go. */
 void value_guard_clear(ValueGuard *guard);
 
 int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);

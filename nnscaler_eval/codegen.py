@@ -79,6 +79,20 @@ class OutputLayout:
     spec: pytree.TreeSpec
     leaves: tuple[OutputLeaf, ...]
 
+    def leaf_values(self, graph_output: Callable[[int], Any],
+                    slot: Callable[[int], Any]) -> list[Any]:
+        """The leaves of the return value: `graph_output(i)` for the graph's i-th
+        output, the constant itself, `slot(i)` for an argument returned as it is."""
+        values: list[Any] = []
+        for leaf in self.leaves:
+            if isinstance(leaf, GraphOutput):
+                values.append(graph_output(leaf.index))
+            elif isinstance(leaf, ConstantOutput):
+                values.append(leaf.value)
+            else:
+                values.append(slot(leaf.slot))
+        return values
+
 
 @dataclass(frozen=True)
 class InputPath:
@@ -401,14 +415,9 @@ class _RunnerWriter:
 
     def output_expr(self, leaf_value: Callable[[int], str]) -> str:
         layout = self.spec.output
-        texts: list[str] = []
-        for leaf in layout.leaves:
-            if isinstance(leaf, GraphOutput):
-                texts.append(leaf_value(leaf.index))
-            elif isinstance(leaf, SlotOutput):
-                texts.append(self.param_names[leaf.slot])
-            else:
-                texts.append(self.render(leaf.value))
+        texts = [text if isinstance(leaf, (GraphOutput, SlotOutput)) else self.render(text)
+                 for leaf, text in zip(layout.leaves, layout.leaf_values(
+                     leaf_value, self.param_names.__getitem__))]
         literal = _literal_structure(layout.spec, iter(texts), self)
         if literal is not None:
             return literal

@@ -301,12 +301,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                      if capture.fallback is None else state_guards.StateGuardSet())
         unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
     except Exception as exc:
-        if config.fullgraph:
-            raise
-        # Our own failure after the forward ran: its result stands, nothing is kept.
-        warn_at_user(f"nnscaler: guarding the capture of {where} failed ({exc!r}); "
-                     "this call's result is kept and the next call captures again")
-        return capture.result, None
+        return _uncached(config, capture, f"guarding the capture of {where}", exc)
     if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
         at_fault = _mutated_types_of(mutable, arguments)
         _remember_mutated_types(code, at_fault)
@@ -343,18 +338,23 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
         with capture.state_before_writes():
             entry = _make_entry(config, capture, code, self, key, where, reads)
     except Exception as exc:
-        if config.fullgraph:
-            raise
-        # The forward already ran (its result stands); only caching is lost.
-        warn_at_user(f"nnscaler: caching the capture of {where} failed ({exc!r}); "
-                     "this call's result is kept and the next call captures again")
-        return capture.result, None
+        return _uncached(config, capture, f"caching the capture of {where}", exc)
     unchanged = getattr(capture, "state_unchanged", None)
     if unchanged is not None and not unchanged():
         # Another thread changed hooks or the module tree during this capture: the
         # entry's guard versions were taken after the change. Not cached.
         return capture.result, None
     return trace_state.in_flight_reply(bucket, capture.result, entry)
+
+
+def _uncached(config: Any, capture: Any, what: str, exc: Exception) -> tuple[Any, Any]:
+    """Our own failure after the forward ran: its result stands, nothing is kept (with
+    fullgraph=True the error is raised)."""
+    if config.fullgraph:
+        raise exc
+    warn_at_user(f"nnscaler: {what} failed ({exc!r}); this call's result is kept and "
+                 "the next call captures again")
+    return capture.result, None
 
 
 _NOT_CACHED = "an input tensor is also"

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval.capture import Capture, GraphBreakError, capture
-from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
+from nnscaler_eval.codegen import SlotOutput
 from nnscaler_eval.runtime import ifexpr
 
 _IFEXPR_PATH = f"{ifexpr.__module__}.{ifexpr.__name__}"  # nnscaler.runtime.function.ifexpr
@@ -149,15 +149,7 @@ def _exported_module(result: Capture, module: nn.Module) -> fx.GraphModule:
 
     # The forward's own output structure where fx can write it (tuples, lists, dicts).
     layout = result.runner_spec.output
-    leaves: list[Any] = []
-    for leaf in layout.leaves:
-        if isinstance(leaf, GraphOutput):
-            leaves.append(flat[leaf.index])
-        elif isinstance(leaf, ConstantOutput):
-            leaves.append(leaf.value)
-        else:
-            assert isinstance(leaf, SlotOutput)
-            leaves.append(None)
+    leaves = layout.leaf_values(flat.__getitem__, lambda slot: None)
     output: Any = tuple(flat)
     if _plain_structure(layout.spec) and not any(isinstance(x, SlotOutput) for x in layout.leaves):
         output = pytree.tree_unflatten(leaves, layout.spec)

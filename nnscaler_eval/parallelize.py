@@ -51,7 +51,6 @@ import torch.utils._pytree as pytree
 
 from nnscaler_eval import _C, microsoft_nnscaler
 from nnscaler_eval.capture import Capture
-from nnscaler_eval.codegen import ConstantOutput, GraphOutput, SlotOutput
 from nnscaler_eval.export import (
     ExportedGraphModule,
     ExportError,
@@ -314,15 +313,8 @@ def _output(result: Capture, flat: Any, env: dict[fx.Node, fx.Node],
             param_nodes: dict[str, fx.Node]) -> Any:
     layout = result.runner_spec.output  # type: ignore[union-attr]
     flat_new = [env[n] if isinstance(n, fx.Node) else n for n in flat]
-    leaves: list[Any] = []
-    for leaf in layout.leaves:
-        if isinstance(leaf, GraphOutput):
-            leaves.append(flat_new[leaf.index])
-        elif isinstance(leaf, ConstantOutput):
-            leaves.append(leaf.value)
-        else:
-            assert isinstance(leaf, SlotOutput)
-            leaves.append(param_nodes[result.slot_names[leaf.slot]])
+    leaves = layout.leaf_values(flat_new.__getitem__,
+                                lambda slot: param_nodes[result.slot_names[slot]])
     if _plain_structure(layout.spec):
         return pytree.tree_unflatten(leaves, layout.spec)
     raise ExportError(f"export_for_nnscaler: the forward returns a {layout.spec.type.__name__}"

@@ -318,19 +318,21 @@ class _Contents:
 
     def __call__(self) -> bool:
         try:
-            return _same(self.read(self.obj), self.expected)
+            return same_value(self.read(self.obj), self.expected)
         except Exception:
             return False
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any, atoms: tuple[type, ...] = _ATOMS) -> bool:
+    """Equal as a guard compares (value_guards.c's same_value): the same object, or
+    values of the same exact type among `atoms`, and tuples of such (NaN never)."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
     if type(a) is tuple:
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return isinstance(a, _ATOMS) and a == b
+        return len(a) == len(b) and all(same_value(x, y, atoms) for x, y in zip(a, b))
+    return isinstance(a, atoms) and a == b
 
 
 class _StateWalk:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from nnscaler_eval import trace_patches
 from nnscaler_eval.shared_objects import global_hook_items
 from nnscaler_eval.capture.nodes import NodeMap
+from nnscaler_eval.state_guards import same_value
 from nnscaler_eval.capture.results import MISSING_VALUE
 from nnscaler_eval.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber
 
@@ -272,13 +273,7 @@ def same_plain(a: Any, b: Any) -> bool:
     """`a` and `b` are the same plain value (ints, floats, bools, strings, None and
     tuples of them, compared by type and value; NaN is never the same), so writing
     one over the other changes nothing a later call could read."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if type(a) is tuple:
-        return len(a) == len(b) and all(same_plain(x, y) for x, y in zip(a, b))
-    return type(a) in _PLAIN and a == b
+    return same_value(a, b, _PLAIN)
 
 
 def is_plain(value: Any) -> bool:
