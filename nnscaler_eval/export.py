@@ -106,6 +106,13 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         raise _export_error(where, exc.fallback) from None
     if result.fallback is not None or result.graph_module is None:
         raise _export_error(where, result.fallback)
+    if result.state_writes:
+        # The compiled runner writes these again on every call; a graph cannot.
+        written = ", ".join(f"{type(m).__name__}.{name} = {value!r}"
+                            for m, name, _, value in result.state_writes)
+        warnings.warn(f"nnscaler.export: {where} writes module state ({written}); the "
+                      "exported graph computes the outputs only, without those writes",
+                      RuntimeWarning, stacklevel=3)
     return result, bound
 
 

@@ -185,3 +185,22 @@ def test_export_leaves_the_module_as_it_was():
     nnscaler.export(model, torch.randn(2, 5, 16))
     assert all(type(m.__dict__["training"]) is bool for m in model.modules())
     assert nnscaler.cache_info(model).captures == 0
+
+
+class CountsExports(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.proj(x)
+
+
+def test_export_says_which_state_writes_the_graph_leaves_out():
+    model = CountsExports()
+    x = torch.randn(2, 4)
+    with pytest.warns(RuntimeWarning, match=r"CountsExports.calls = 1"):
+        gm = nnscaler.export(model, x)
+    torch.testing.assert_close(gm(x), model.proj(x))
