@@ -348,9 +348,11 @@ class _StateWalk:
         self.labels = labels
         self.out = StateGuardSet()
         self._seen: set[int] = set()
-        # id(dict) -> (keys guarded, True where a guard watches for new names in it,
-        # "exact" where one checks all of its keys)
-        self._dicts: dict[int, tuple[set[Any], Any]] = {}
+        # Dicts guarded so far, by id: the keys their guards cover, those with a guard
+        # watching for new names, and those with a guard on all of their keys.
+        self._keys: dict[int, set[Any]] = {}
+        self._watching: set[int] = set()
+        self._exact: set[int] = set()
         self._keep: list[Any] = []
 
     def _label(self, obj: Any, fallback: str) -> str:
@@ -374,13 +376,13 @@ class _StateWalk:
         # ran and as a module object user code reads attributes of) is guarded for
         # the union of what each way reads: a second guard takes the keys the first
         # did not cover.
-        covered = self._dicts.get(id(namespace))
+        key = id(namespace)
+        if key in self._exact:
+            return
+        covered = self._keys.setdefault(key, set())
         skipped = set(skip)
-        if covered is not None:
-            if covered[1] == "exact":
-                return
-            if not exact:   # an exact guard checks every key, covered or not
-                skipped |= covered[0]
+        if not exact:   # an exact guard checks every key, covered or not
+            skipped |= covered
         watched: Optional[frozenset] = None
         if names is None:
             # the watched names it holds; the addition of another one is caught by the
@@ -388,17 +390,16 @@ class _StateWalk:
             keys = tuple(k for k in namespace if isinstance(k, str) and k in self.names
                          and k not in skipped and k not in pinned)
             keys += tuple(k for k in pinned if k in namespace and k not in skipped)
-            if covered is None or not covered[1]:
+            if key not in self._watching:
                 watched = self._watched_without(frozenset(skipped))
+                self._watching.add(key)
         else:
             keys = tuple(k for k in names if k not in skipped)
         if not keys and not exact and watched is None:
             return
-        if covered is None:
-            covered = (set(), False)
-        covered[0].update(keys)
-        self._dicts[id(namespace)] = (covered[0], "exact" if exact else
-                                      bool(covered[1] or watched is not None))
+        covered.update(keys)
+        if exact:
+            self._exact.add(key)
         values = tuple(namespace.get(k, MISSING) for k in keys)
         present = [(k, v) for k, v in zip(keys, values) if v is not MISSING]
         # With its owner, the guard holds the owner weakly and the dict not at all.
@@ -523,7 +524,7 @@ class _StateWalk:
             if klass is object or klass.__module__ == "builtins":
                 continue
             namespace = _real_dict(klass)
-            if namespace is None or id(namespace) in self._dicts:
+            if namespace is None or id(namespace) in self._keys:
                 continue
             present = set(k for k in self.names if k in namespace)
             if klass.__module__.startswith("torch."):

@@ -274,3 +274,60 @@ def test_transformer_encoder_fast_path_in_eval(grad):
         warnings.simplefilter("ignore")     # torch's nested-tensor prototype warning
         _differential(lambda: Encoder().eval(), lambda m, _: m.train(),
                       lambda m, _: m.eval(), args=lambda: (torch.randn(2, 4, 8), mask))
+
+
+MEDDLE: list = []
+
+
+class MeddlingSlots:
+    """Slots read through a __getattribute__ that runs Python in the middle of the
+    cache check (the slots guard reads them on every hit)."""
+    __slots__ = ("k",)
+
+    def __init__(self) -> None:
+        self.k = 1.0
+
+    def __getattribute__(self, name):
+        if name == "k" and MEDDLE:
+            MEDDLE.pop()()
+        return object.__getattribute__(self, name)
+
+
+MEDDLING = MeddlingSlots()
+
+
+class ReadsMeddlingSlots(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) * MEDDLING.k
+
+
+@pytest.mark.parametrize("meddle", ["reset", "collect", "change", "delete the model"])
+def test_python_in_the_middle_of_a_content_guard(meddle):
+    import gc
+    eager = ReadsMeddlingSlots()
+    ours = ReadsMeddlingSlots()
+    ours.load_state_dict(eager.state_dict())
+    compiled = nnscaler.compile(ours)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    holder = [compiled]
+    actions = {
+        "reset": nnscaler.reset,
+        "collect": gc.collect,
+        "change": lambda: object.__setattr__(MEDDLING, "k", 3.0),
+        "delete the model": lambda: (holder.clear(), gc.collect()),
+    }
+    MEDDLE.append(actions[meddle])
+    try:
+        got = compiled(x)           # the guard check runs the action
+        want = eager(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    finally:
+        MEDDLE.clear()
+        object.__setattr__(MEDDLING, "k", 1.0)

@@ -44,6 +44,7 @@ from nnscaler_eval.capture.training import (
     is_plain,
     same_tensor_kind,
     tracked,
+    tree_entry,
     unique_modules,
     writes_nothing_new,
 )
@@ -344,10 +345,8 @@ class Tracer(TorchFunctionMode):
             value = quiet_plain(value)
         if not is_plain(value):
             return False
-        for where in ("_parameters", "_buffers", "_modules"):
-            table = module.__dict__.get(where)
-            if isinstance(table, dict) and name in table:
-                return False
+        if tree_entry(module, name) is not MISSING_VALUE:
+            return False   # a parameter, buffer or submodule: not a plain attribute
         if type(module).__setattr__ is not nn.Module.__setattr__:
             return False   # a class's own __setattr__ may write elsewhere
         if hasattr(type(inspect.getattr_static(type(module), name, None)), "__set__"):

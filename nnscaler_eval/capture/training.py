@@ -284,14 +284,23 @@ def is_plain(value: Any) -> bool:
     return type(value) in _PLAIN
 
 
+def tree_entry(module: nn.Module, name: str) -> Any:
+    """The parameter, buffer or submodule `name` of `module`, or MISSING_VALUE when
+    `name` is none of them."""
+    for where in ("_parameters", "_buffers", "_modules"):
+        table = module.__dict__.get(where)
+        if isinstance(table, dict) and name in table:
+            return table[name]
+    return MISSING_VALUE
+
+
 def writes_nothing_new(module: nn.Module, name: str, value: Any) -> bool:
     """`module.name = value` (through nn.Module.__setattr__) leaves the module as it
     is: the attribute, parameter, buffer or submodule of that name already holds
     `value` (itself, or the same plain value)."""
-    for where in ("_parameters", "_buffers", "_modules"):
-        table = module.__dict__.get(where)
-        if isinstance(table, dict) and name in table:
-            return table[name] is value
+    entry = tree_entry(module, name)
+    if entry is not MISSING_VALUE:
+        return entry is value
     current = module.__dict__.get(name, MISSING_VALUE)
     return current is not MISSING_VALUE and same_plain(current, value)
 
