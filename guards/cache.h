@@ -18,7 +18,7 @@
 #ifndef NNSCALER_CACHE_H
 #define NNSCALER_CACHE_H
 
-#include "compat.h"
+#include "compat_objects.h"
 #include "call_key.h"
 #include "value_guards.h"
 
@@ -60,7 +60,7 @@ typedef struct {
                                   weakref where possible (a dead one: entry stale) */
     Py_ssize_t hits;
     uint64_t clean_clock;      /* nns_dict_clock() at the last check that found every
-                                  dict unchanged, or 0 (compat.h: 3.12+ skip the
+                                  dict unchanged, or 0 (compat_objects.h: 3.12+ skip the
                                   per-dict checks while the clock stays there) */
 } CacheEntry;
 

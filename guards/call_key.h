@@ -16,7 +16,7 @@
 #ifndef NNSCALER_CALL_KEY_H
 #define NNSCALER_CALL_KEY_H
 
-#include "compat.h"
+#include "compat_objects.h"
 
 #define CALL_KEY_INLINE 512
 #define CALL_KEY_MAX_ALIAS 64   /* tensors tracked for aliasing in one key */

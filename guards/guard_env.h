@@ -1,6 +1,6 @@
 /* guard_env.h - what guards/ takes from the rest of the extension: a few objects
  * set once at install time.  Besides this header, guards/ depends only on the
- * version layer (compat.h); nothing here includes csrc/'s other headers, so the
+ * object-level version layer (csrc/compat_objects.h); nothing here includes csrc/'s other headers, so the
  * data flows one way: the shim (csrc/) calls guards, guards never call back.
  *
  * All fields are strong references owned by this struct for the life of the
@@ -9,7 +9,7 @@
 #ifndef NNSCALER_GUARD_ENV_H
 #define NNSCALER_GUARD_ENV_H
 
-#include "compat.h"
+#include "compat_objects.h"
 
 typedef struct {
     PyTypeObject *tensor_type;     /* torch._C.TensorBase */
