@@ -68,7 +68,7 @@ build: sysdeps venv
 	cp nnscaler_eval_ns.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 
 demo: build
-	$(PY) -m nnscaler_eval.demo
+	$(PY) -m nnscaler_eval.tools.demo
 
 # Both suites run; the target fails if either did.
 test: build

@@ -4,7 +4,7 @@
  * A concrete trace sees values, not where they came from: every plain value that
  * shaped the graph (`self.scale`, `Dropout.p`, a global, a closure cell, a default, an
  * item of a list attribute, an attribute of a config object) is recorded by the Python
- * side (nnscaler_eval/state_guards.py) as one of these guards:
+ * side (nnscaler_eval/guarding/state_guards.py) as one of these guards:
  *
  *   VG_DICT      (0, dict, keys, expected, missing[, owner[, watched]]): the dict's
  *                version is snapshotted;
@@ -54,7 +54,7 @@
 #ifndef NNSCALER_VALUE_GUARDS_H
 #define NNSCALER_VALUE_GUARDS_H
 
-#include "compat.h"
+#include "compat_objects.h"
 
 enum {
     VG_DICT = 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nnscaler_eval import eval_frame
 from nnscaler_eval.compile_api import compile
-from nnscaler_eval.explain import CacheInfo, ExplainReport, cache_info, explain, reset
+from nnscaler_eval.tools.explain import CacheInfo, ExplainReport, cache_info, explain, reset
 from nnscaler_eval.export import ExportError, export
 from nnscaler_eval.parallelize import export_for_nnscaler
 from nnscaler_eval.register_op import (

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from nnscaler_eval.backends import resolve_backend
+from nnscaler_eval.runners.backends import resolve_backend
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,12 +26,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nnscaler_eval import _C, logs, state_guards, trace_state
-from nnscaler_eval.compile_awareness import compile_safe_paths
+from nnscaler_eval import _C, logs
+from nnscaler_eval.guarding import state_guards
+from nnscaler_eval.tracing import trace_state
+from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import adopt_region_bucket
-from nnscaler_eval.fx_source import release_source_with
-from nnscaler_eval.guard_builder import ReadContext, build_state_guards, walk_state
+from nnscaler_eval.runners.fx_source import release_source_with
+from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
 
 # Code objects that own cache buckets, for reset().
 known_codes: "weakref.WeakSet[Any]" = weakref.WeakSet()

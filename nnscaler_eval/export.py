@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval.capture import Capture, GraphBreakError, capture
-from nnscaler_eval.codegen import SlotOutput
+from nnscaler_eval.runners.codegen import SlotOutput
 from nnscaler_eval.runtime import ifexpr
 
 _IFEXPR_PATH = f"{ifexpr.__module__}.{ifexpr.__name__}"  # nnscaler.runtime.function.ifexpr

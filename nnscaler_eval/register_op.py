@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, cast, overload
 
 from nnscaler_eval import microsoft_nnscaler
 from nnscaler_eval._C import call_holding as _call_holding
-from nnscaler_eval.fx_tracing import active_fx_tracer
+from nnscaler_eval.tracing.fx_tracing import active_fx_tracer
 from nnscaler_eval.op_annotation import (
     ERROR_PREFIX,
     AnnotationError,
@@ -76,7 +76,7 @@ from nnscaler_eval.op_annotation import (
     TensorAnno,
     parse_annotation,
 )
-from nnscaler_eval.trace_state import current_tracer
+from nnscaler_eval.tracing.trace_state import current_tracer
 
 __all__ = [
     "AnnotationError",

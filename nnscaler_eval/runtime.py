@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from nnscaler_eval.fx_tracing import active_fx_tracer
-from nnscaler_eval.trace_state import current_tracer
+from nnscaler_eval.tracing.fx_tracing import active_fx_tracer
+from nnscaler_eval.tracing.trace_state import current_tracer
 
 T = TypeVar("T")
 F = TypeVar("F")

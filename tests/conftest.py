@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import nnscaler
-from nnscaler_eval import _C, trace_patches, trace_state
+from nnscaler_eval import _C
+from nnscaler_eval.tracing import trace_patches, trace_state
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

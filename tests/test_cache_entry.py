@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nnscaler_eval import _C
-from nnscaler_eval.state_guards import MISSING, VG_DICT
+from nnscaler_eval.guarding.state_guards import MISSING, VG_DICT
 
 
 def make_entry(dicts=(), flags=(), names=None, runner=None, modules=()):

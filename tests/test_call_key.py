@@ -139,7 +139,7 @@ def test_resize_in_place_between_calls_is_a_miss():
 import gc
 
 from nnscaler_eval import _C
-from nnscaler_eval.explain import _buckets
+from nnscaler_eval.tools.explain import _buckets
 
 
 class Foo:

@@ -1,5 +1,5 @@
 """Runners call torch's C entry points in place of its Python wrappers where that is
-exactly what the wrapper would do (nnscaler_eval/direct_calls.py): same results, same
+exactly what the wrapper would do (nnscaler_eval/runners/direct_calls.py): same results, same
 random numbers, same gradients, same errors; a TorchFunctionMode or a tensor subclass
 still sees the function the user called."""
 from __future__ import annotations

@@ -39,9 +39,10 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
     import torch.nn.functional as F
 
     import nnscaler
-    from nnscaler_eval import _C, trace_patches, trace_state
+    from nnscaler_eval import _C
+    from nnscaler_eval.tracing import trace_patches, trace_state
     from nnscaler_eval.capture import Tracer
-    from nnscaler_eval.tracked_values import TrainingFlag
+    from nnscaler_eval.tracing.tracked_values import TrainingFlag
 
     original_call = nn.Module.__dict__["__call__"]
     original_setattr = nn.Module.__dict__["__setattr__"]

@@ -18,7 +18,7 @@ from nnscaler_eval.register_op import (
     register_op,
     registered_ops,
 )
-from nnscaler_eval.trace_state import current_tracer, set_current_tracer
+from nnscaler_eval.tracing.trace_state import current_tracer, set_current_tracer
 
 
 def T(*dims):

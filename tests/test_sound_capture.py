@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nnscaler
-from nnscaler_eval.explain import _buckets
+from nnscaler_eval.tools.explain import _buckets
 from nnscaler_eval.capture import GraphBreakError
 from models import meddling_training
 
@@ -387,7 +387,7 @@ def test_python_inside_value_guard_revalidation():
 
 def test_guard_specs_are_not_modified():
     from nnscaler_eval import _C
-    from nnscaler_eval.state_guards import MISSING, VG_DICT, VG_LIST
+    from nnscaler_eval.guarding.state_guards import MISSING, VG_DICT, VG_LIST
     target = types.SimpleNamespace()
     d, lst = {"a": target}, [target]
     values, items = (target,), (target,)
@@ -712,7 +712,7 @@ def test_generated_code_belongs_to_the_module_that_generated_it():
     import collections
     import dataclasses
 
-    from nnscaler_eval import state_guards
+    from nnscaler_eval.guarding import state_guards
     from nnscaler_eval.capture import Capture
 
     @dataclasses.dataclass

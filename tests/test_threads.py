@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nnscaler
-from nnscaler_eval import _C, trace_patches
-from nnscaler_eval.tracked_values import TrainingFlag
+from nnscaler_eval import _C
+from nnscaler_eval.tracing import trace_patches
+from nnscaler_eval.tracing.tracked_values import TrainingFlag
 
 CHILD_FLAG = "--threads-child"
 THREADS = 8
@@ -253,7 +254,7 @@ def test_cache_limit_counts_entries_still_on_their_way_to_c():
 def _child(calls_per_thread: int) -> dict:
     import time
 
-    from nnscaler_eval import explain
+    from nnscaler_eval.tools import explain
 
     torch.manual_seed(0)
     net = Net()

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nnscaler_eval import trace_patches
+from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.trace_state import current_tracer
+from nnscaler_eval.tracing.trace_state import current_tracer
 from nnscaler_eval.capture import Capture, GraphBreakError, capture
 
 THIS_FILE = __file__

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_globals
 from torch.utils.hooks import RemovableHandle
 
-from nnscaler_eval import trace_patches
+from nnscaler_eval.tracing import trace_patches
 
 # Values that go into the graph as literals.
 LITERAL_TYPES = (

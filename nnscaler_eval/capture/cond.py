@@ -25,12 +25,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from nnscaler_eval import _C
 from nnscaler_eval.capture.calls import qualname, tensors_in
-from nnscaler_eval.locations import user_location
+from nnscaler_eval.tracing.locations import user_location
 from nnscaler_eval.capture.nodes import class_name, identifier
 from nnscaler_eval.capture.results import Fallback, GraphBreakError, RecordingAborted
-from nnscaler_eval.codegen import InputPath
-from nnscaler_eval.fx_source import release_source_with
-from nnscaler_eval.tracked_values import TrainingFlag, plain_value, quiet_plain
+from nnscaler_eval.runners.codegen import InputPath
+from nnscaler_eval.runners.fx_source import release_source_with
+from nnscaler_eval.tracing.tracked_values import TrainingFlag, plain_value, quiet_plain
 
 
 class CondNotCapturable(Exception):

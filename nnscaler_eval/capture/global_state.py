@@ -13,8 +13,8 @@ import copy
 import torch
 import torch.fx as fx
 
-from nnscaler_eval import trace_patches
-from nnscaler_eval.locations import record_source
+from nnscaler_eval.tracing import trace_patches
+from nnscaler_eval.tracing.locations import record_source
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 

@@ -20,8 +20,8 @@ from nnscaler_eval.capture.inputs import holds_tensor
 from nnscaler_eval.capture.nodes import NodeMap, class_name
 from nnscaler_eval.capture.results import Capture, Fallback
 from nnscaler_eval.capture.training import TrackedModules
-from nnscaler_eval.codegen import ConstantOutput, GraphOutput, OutputLayout, RunnerSpec, SlotOutput
-from nnscaler_eval.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
+from nnscaler_eval.runners.codegen import ConstantOutput, GraphOutput, OutputLayout, RunnerSpec, SlotOutput
+from nnscaler_eval.tracing.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
 
 
 def output_layout(

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch.fx as fx
 import torch.nn as nn
 
-from nnscaler_eval import codegen
-from nnscaler_eval.codegen import RunnerSpec
+from nnscaler_eval.runners import codegen
+from nnscaler_eval.runners.codegen import RunnerSpec
 from nnscaler_eval.runtime import ifexpr
 
 MISSING_VALUE: Any = object()   # an attribute absent before the call (state_writes)

@@ -24,14 +24,16 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from nnscaler_eval import _C, direct_calls, trace_patches
+from nnscaler_eval import _C
+from nnscaler_eval.runners import direct_calls
+from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, output
 from nnscaler_eval.capture import cond as torch_cond
-from nnscaler_eval.compile_awareness import eager_answers
+from nnscaler_eval.tracing.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
 from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
-from nnscaler_eval.locations import is_library_file, record_source, user_location
+from nnscaler_eval.tracing.locations import is_library_file, record_source, user_location
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
 from nnscaler_eval.capture.training import (
@@ -48,10 +50,10 @@ from nnscaler_eval.capture.training import (
     unique_modules,
     writes_nothing_new,
 )
-from nnscaler_eval.codegen import InputPath, OutputLayout
+from nnscaler_eval.runners.codegen import InputPath, OutputLayout
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.trace_state import current_tracer, run_to_completion, set_current_tracer
-from nnscaler_eval.tracked_values import TrainingFlag, _TrackedNumber, plain_value, quiet_plain
+from nnscaler_eval.tracing.trace_state import current_tracer, run_to_completion, set_current_tracer
+from nnscaler_eval.tracing.tracked_values import TrainingFlag, _TrackedNumber, plain_value, quiet_plain
 
 
 def capture(

@@ -22,12 +22,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from nnscaler_eval import trace_patches
+from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.shared_objects import global_hook_items
 from nnscaler_eval.capture.nodes import NodeMap
-from nnscaler_eval.state_guards import same_value
+from nnscaler_eval.guarding.state_guards import same_value
 from nnscaler_eval.capture.results import MISSING_VALUE
-from nnscaler_eval.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber
+from nnscaler_eval.tracing.tracked_values import TrackedFloat, TrackedInt, TrainingFlag, _TrackedNumber
 
 _MISSING = object()
 

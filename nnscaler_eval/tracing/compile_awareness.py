@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from nnscaler_eval import trace_state
+from nnscaler_eval.tracing import trace_state
 
 _torch_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
 

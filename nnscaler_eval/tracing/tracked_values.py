@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from nnscaler_eval.trace_state import current_tracer
+from nnscaler_eval.tracing.trace_state import current_tracer
 
 
 def _recording_tracer(owner: Any) -> Optional[Any]:

@@ -2,7 +2,7 @@
 
 A backend is what `torch.compile` accepts: a callable `backend(gm, example_inputs)
 -> callable`, or a name.  "eager" (the default) is handled here without torch._dynamo:
-the graph becomes straight-line generated Python (nnscaler_eval.codegen), which runs
+the graph becomes straight-line generated Python (nnscaler_eval.runners.codegen), which runs
 CPU kernels on CPU tensors and CUDA kernels on CUDA tensors.  Any other name is looked
 up in torch's backend registry ("inductor", "aot_eager", "cudagraphs", ...).
 """

@@ -40,9 +40,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from nnscaler_eval import _C, direct_calls
+from nnscaler_eval import _C
+from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.runtime import ifexpr
-from nnscaler_eval.trace_patches import REAL_SET_GRAD_ENABLED
+from nnscaler_eval.tracing.trace_patches import REAL_SET_GRAD_ENABLED
 
 # ---------------------------------------------------------------------------
 # What the tracer hands over

@@ -59,9 +59,9 @@ from nnscaler_eval._C import call_at_depth as _call_at_depth
 from nnscaler_eval._C import call_holding as _call_holding
 from nnscaler_eval._C import call_with_mode_replaced as _call_with_mode_replaced
 from nnscaler_eval._C import recursion_depth as _recursion_depth
-from nnscaler_eval.compile_awareness import dynamo_is_compiling
-from nnscaler_eval.trace_state import current_tracer
-from nnscaler_eval.tracked_values import holds_tracked, plain_value, quiet_plain
+from nnscaler_eval.tracing.compile_awareness import dynamo_is_compiling
+from nnscaler_eval.tracing.trace_state import current_tracer
+from nnscaler_eval.tracing.tracked_values import holds_tracked, plain_value, quiet_plain
 
 # The real function, for graphs to call (never the shim installed while tracing).
 REAL_SET_GRAD_ENABLED: Callable[[bool], None] = torch._C._set_grad_enabled
@@ -255,7 +255,7 @@ def _impure_patch(owner: Any, name: str) -> _Patch:
             # Only the model's own code: torch, the standard library and this package
             # read clocks for their own bookkeeping (log records, timings, temporary
             # names), which never reaches a tensor.
-            from nnscaler_eval.locations import is_library_file
+            from nnscaler_eval.tracing.locations import is_library_file
             if not is_library_file(sys._getframe(1).f_code.co_filename):
                 tracer.on_python_side_effect(what)
         return patch.saved(*args, **kwargs)

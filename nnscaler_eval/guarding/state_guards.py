@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from nnscaler_eval import _C
-from nnscaler_eval.locations import is_library_file
+from nnscaler_eval.tracing.locations import is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -109,7 +109,6 @@ MAX_DEPTH = 8
 _CO_NEWLOCALS = 0x2
 MAX_OBJECTS = 4096
 
-_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 _TORCH_NN_DIR = os.path.join("torch", "nn", "")
 
 # Values that carry no state of their own (compared by value or immortal).
@@ -211,8 +210,7 @@ class CodeRecorder:
         names: set[str] = set()
         for code in self.codes.values():
             filename = code.co_filename
-            if filename.startswith(_OWN_DIR) or (
-                    is_library_file(filename) and _TORCH_NN_DIR not in filename):
+            if is_library_file(filename) and _TORCH_NN_DIR not in filename:
                 continue
             names.update(_names_of(code))
         return names

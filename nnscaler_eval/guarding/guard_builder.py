@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from nnscaler_eval import state_guards
+from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.shared_objects import global_hook_items
 
 # The module tree and the hook dicts are guarded by value: the same objects under

@@ -1,0 +1,5 @@
+"""What runs on a cache hit: the straight-line Python a captured graph becomes
+(`codegen`), the torch entry points it calls directly (`direct_calls`), the
+`backend=` argument resolved to a callable (`backends`), and the release of what
+torch.fx keeps for every GraphModule (`fx_source`).
+"""
