@@ -360,7 +360,9 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "VG_FUNCTION", VG_FUNCTION) < 0 ||
         PyModule_AddIntConstant(module, "VG_TENSOR", VG_TENSOR) < 0 ||
         PyModule_AddIntConstant(module, "VG_CALL", VG_CALL) < 0 ||
-        PyModule_AddIntConstant(module, "VG_TENSORS", VG_TENSORS) < 0) {
+        PyModule_AddIntConstant(module, "VG_TENSORS", VG_TENSORS) < 0 ||
+        PyModule_AddIntConstant(module, "VG_BYTES", VG_BYTES) < 0 ||
+        PyModule_AddIntConstant(module, "VG_SLOTS", VG_SLOTS) < 0) {
         return -1;
     }
     struct { PyObject **slot; const char *s; } names[] = {

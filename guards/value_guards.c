@@ -1,8 +1,9 @@
 /* value_guards.c - guards on the Python values a capture read (see value_guards.h). */
 #include "value_guards.h"
+#include "structmember.h"
 
 static const char *const kind_names[] = {"dict", "list", "cell", "function", "tensor", "call",
-                                         "tensors"};
+                                         "tensors", "bytes", "slots"};
 
 /* A dict key whose hashing and comparing run no Python: exact str, int, float, bool,
  * None, bytes, and exact tuples of them. */
@@ -124,6 +125,169 @@ spec_error(Py_ssize_t size, const char *kind, const char *what)
     return -1;
 }
 
+/* ---- VG_BYTES: a buffer's layout and contents ---- */
+
+#define BUFFER_FLAGS PyBUF_RECORDS_RO   /* shape, strides and format; read-only is enough */
+
+/* The layout words of `view`: ndim, itemsize, len, then shape and strides.  Returns
+ * how many words were written into `words` (at most 3 + 2 * PyBUF_MAX_NDIM). */
+static Py_ssize_t
+buffer_layout(const Py_buffer *view, Py_ssize_t *words)
+{
+    Py_ssize_t n = 0;
+    words[n++] = view->ndim;
+    words[n++] = view->itemsize;
+    words[n++] = view->len;
+    for (int d = 0; d < view->ndim; d++) {
+        words[n++] = view->shape != NULL ? view->shape[d] : view->len / view->itemsize;
+        words[n++] = view->strides != NULL ? view->strides[d] : view->itemsize;
+    }
+    return n;
+}
+
+static const char *
+buffer_format(const Py_buffer *view)
+{
+    return view->format != NULL ? view->format : "B";
+}
+
+/* The buffer's bytes in C order: `view->buf` itself when contiguous, else a copy in
+ * `*scratch` (PyMem, the caller frees it).  NULL with MemoryError set. */
+static const char *
+buffer_bytes(Py_buffer *view, char **scratch)
+{
+    *scratch = NULL;
+    if (PyBuffer_IsContiguous(view, 'C')) {
+        return view->buf;
+    }
+    *scratch = PyMem_Malloc(view->len > 0 ? (size_t)view->len : 1);
+    if (*scratch == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (PyBuffer_ToContiguous(*scratch, view, view->len, 'C') < 0) {
+        PyMem_Free(*scratch);
+        *scratch = NULL;
+        return NULL;
+    }
+    return *scratch;
+}
+
+/* (layout bytes: the words then the format, contents bytes) of `obj`, new, or NULL
+ * with an exception set. */
+static PyObject *
+buffer_snapshot(PyObject *obj)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, BUFFER_FLAGS) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (strchr(buffer_format(&view), 'O') != NULL) {
+        PyErr_SetString(PyExc_TypeError, "value guard spec (bytes): a buffer of objects "
+                                         "cannot be compared by its bytes");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_ssize_t words[3 + 2 * PyBUF_MAX_NDIM];
+    Py_ssize_t nwords = buffer_layout(&view, words);
+    const char *format = buffer_format(&view);
+    size_t format_len = strlen(format);
+    size_t layout_len = (size_t)nwords * sizeof(Py_ssize_t);
+    PyObject *layout = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(layout_len + format_len));
+    char *scratch = NULL;
+    const char *data = layout != NULL ? buffer_bytes(&view, &scratch) : NULL;
+    if (data != NULL) {
+        memcpy(PyBytes_AS_STRING(layout), words, layout_len);
+        memcpy(PyBytes_AS_STRING(layout) + layout_len, format, format_len);
+        PyObject *contents = PyBytes_FromStringAndSize(data, view.len);
+        if (contents != NULL) {
+            result = PyTuple_Pack(2, layout, contents);
+            Py_DECREF(contents);
+        }
+    }
+    PyMem_Free(scratch);
+    Py_XDECREF(layout);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static int
+check_bytes(ValueGuard *guard)
+{
+    PyObject *layout = PyTuple_GET_ITEM(guard->expected, 0);
+    PyObject *contents = PyTuple_GET_ITEM(guard->expected, 1);
+    Py_buffer view;
+    if (PyObject_GetBuffer(guard->target, &view, BUFFER_FLAGS) < 0) {
+        PyErr_Clear();   /* no longer exports a buffer: does not hold */
+        return 0;
+    }
+    Py_ssize_t words[3 + 2 * PyBUF_MAX_NDIM];
+    size_t layout_len = (size_t)buffer_layout(&view, words) * sizeof(Py_ssize_t);
+    const char *format = buffer_format(&view);
+    size_t format_len = strlen(format);
+    int ok = (size_t)PyBytes_GET_SIZE(layout) == layout_len + format_len &&
+             memcmp(PyBytes_AS_STRING(layout), words, layout_len) == 0 &&
+             memcmp(PyBytes_AS_STRING(layout) + layout_len, format, format_len) == 0 &&
+             PyBytes_GET_SIZE(contents) == view.len;
+    if (ok) {
+        char *scratch = NULL;
+        const char *data = buffer_bytes(&view, &scratch);
+        if (data == NULL) {
+            PyErr_Clear();
+            ok = 0;
+        }
+        else {
+            ok = memcmp(data, PyBytes_AS_STRING(contents), (size_t)view.len) == 0;
+        }
+        PyMem_Free(scratch);
+    }
+    PyBuffer_Release(&view);
+    return ok;
+}
+
+/* ---- VG_SLOTS: attributes in __slots__ ---- */
+
+/* Where the object slot `name` of `tp` lives, or -1 with a TypeError: a member
+ * descriptor found along the MRO, holding an object. */
+static Py_ssize_t
+slot_offset(PyTypeObject *tp, PyObject *name)
+{
+    PyObject *descr = nns_type_lookup(tp, name);
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "value guard spec (slots): %R is not a slot of %s",
+                     name, tp->tp_name);
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || member->offset <= 0) {
+        PyErr_Format(PyExc_TypeError, "value guard spec (slots): %R of %s does not hold "
+                                      "an object", name, tp->tp_name);
+        return -1;
+    }
+    return member->offset;
+}
+
+static int
+check_slots(ValueGuard *guard)
+{
+    PyObject *obj = guard->target;
+    if (Py_TYPE(obj) != guard->owner_type) {
+        return 0;   /* `obj.__class__ = ...`: other slots (or the same, elsewhere) */
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(guard->expected); i++) {
+        PyObject *value = *(PyObject **)((char *)obj + guard->slot_offsets[i]);
+        PyObject *want = expected_item(guard, i);
+        if (want == NULL) {
+            return 0;
+        }
+        if (value == NULL ? want != guard->missing : !same_value(want, value)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int
 value_guard_init(ValueGuard *guard, PyObject *spec)
 {
@@ -137,7 +301,7 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
     if (kind == -1 && PyErr_Occurred()) {
         return -1;
     }
-    if (kind < VG_DICT || kind > VG_TENSORS) {
+    if (kind < VG_DICT || kind > VG_SLOTS) {
         PyErr_Format(PyExc_ValueError, "value guard spec: unknown kind %ld", kind);
         return -1;
     }
@@ -250,6 +414,43 @@ value_guard_init(ValueGuard *guard, PyObject *spec)
         guard->version = nns_dict_version(target);
         break;
     }
+    case VG_BYTES:
+        if (n != 2 || !PyObject_CheckBuffer(target)) {
+            return spec_error(n, name, "expected (7, object exporting a buffer)");
+        }
+        if ((guard->expected = buffer_snapshot(target)) == NULL) {
+            return -1;
+        }
+        break;
+    case VG_SLOTS: {
+        PyObject *names = n == 5 ? PyTuple_GET_ITEM(spec, 2) : NULL;
+        PyObject *values = n == 5 ? PyTuple_GET_ITEM(spec, 3) : NULL;
+        if (n != 5 || !PyTuple_Check(names) || !PyTuple_Check(values) ||
+            PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(values)) {
+            return spec_error(n, name, "expected (8, object, names tuple, values tuple of the same length, missing)");
+        }
+        Py_ssize_t count = PyTuple_GET_SIZE(names);
+        guard->slot_offsets = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+        if (guard->slot_offsets == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (!PyUnicode_Check(PyTuple_GET_ITEM(names, i))) {
+                return spec_error(n, name, "slot names must be str");
+            }
+            if ((guard->slot_offsets[i] = slot_offset(Py_TYPE(target), PyTuple_GET_ITEM(names, i))) < 0) {
+                return -1;
+            }
+        }
+        guard->keys = Py_NewRef(names);
+        guard->missing = Py_NewRef(PyTuple_GET_ITEM(spec, 4));
+        guard->owner_type = (PyTypeObject *)Py_NewRef(Py_TYPE(target));
+        if ((guard->expected = own_copy(values)) == NULL || hold_weakly(guard) < 0) {
+            return -1;
+        }
+        break;
+    }
     }
     guard->target = Py_NewRef(target);
     return 0;
@@ -266,6 +467,9 @@ value_guard_clear(ValueGuard *guard)
     Py_CLEAR(guard->owner_type);
     PyMem_Free(guard->weak);
     guard->weak = NULL;
+    if (guard->kind == VG_SLOTS) {
+        PyMem_Free(guard->slot_offsets);
+    }
     guard->dict = NULL;
 }
 
@@ -558,6 +762,10 @@ value_guard_check(ValueGuard *guard)
         return check_call(guard);
     case VG_TENSORS:
         return check_tensors(guard);
+    case VG_BYTES:
+        return check_bytes(guard);
+    case VG_SLOTS:
+        return unless_stale(guard, check_slots(guard));
     }
     return 0;
 }

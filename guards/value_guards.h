@@ -37,6 +37,18 @@
  *                metadata of many tensors, re-read only when the epoch dict's version
  *                moved (nnscaler_eval bumps it whenever nn.Module._apply runs: `.to()`,
  *                `.half()`, `.cuda()`); otherwise one load.
+ *   VG_BYTES     (7, object): the contents of a mutable buffer no dict version covers
+ *                (a bytearray, an array.array, a NumPy array): its layout (item size,
+ *                shape, strides, format) and its bytes, snapshotted when the guard is
+ *                made and compared with memcmp on every check.  Only for exporters
+ *                implemented in C (the Python side picks the types): taking the
+ *                buffer then runs no Python.  The object is held strongly.
+ *   VG_SLOTS     (8, object, names, expected, missing): attributes kept in `__slots__`
+ *                (no dict, so no version): each name must be an object slot (a member
+ *                descriptor) of the object's class; the check reads the slots where
+ *                they live, runs no Python, and compares with same_value (`missing`
+ *                stands for an unset slot).  The object is held strongly, its class
+ *                compared by identity.
  *
  * Values are compared by identity, except exact int/float/complex/str/bytes, tuples
  * (elementwise) and torch.device, which compare by value (`self.p = 0.1` written again
@@ -64,12 +76,15 @@ enum {
     VG_TENSOR = 4,
     VG_CALL = 5,
     VG_TENSORS = 6,
+    VG_BYTES = 7,
+    VG_SLOTS = 8,
 };
 
 typedef struct {
     int kind;
     PyObject *target;     /* owned: the dict / list / cell / function / weakref / callable
-                             / epoch dict (VG_TENSORS, with `keys` the weakrefs);
+                             / epoch dict (VG_TENSORS, with `keys` the weakrefs) /
+                             buffer exporter (VG_BYTES) / slotted object (VG_SLOTS);
                              VG_DICT with an owner: a weakref to the owner */
     PyObject *keys;       /* owned tuple (VG_DICT) or NULL */
     PyObject *expected;   /* owned tuple: expected values or fields, or NULL (VG_CALL) */
@@ -77,8 +92,13 @@ typedef struct {
     PyObject *watched;    /* owned frozenset (VG_DICT) or NULL: names whose addition
                              invalidates */
     int exact;            /* VG_DICT: the dict holds exactly `keys` */
-    PyObject *dict;       /* VG_DICT: the dict (== target, or borrowed from the owner:
+    union {
+        PyObject *dict;   /* VG_DICT: the dict (== target, or borrowed from the owner:
                              compared by address only, never dereferenced unchecked) */
+        Py_ssize_t *slot_offsets;  /* VG_SLOTS: where each slot lives in the object
+                             (PyMem, owned); sharing the field keeps the struct the
+                             size the hit path's loop over guards was measured at */
+    };
     PyTypeObject *owner_type;  /* owned (VG_DICT with an owner): the owner's class when
                              guarded; `obj.__class__ = Other` moves no dict, and the
                              attributes it read now come from another class */

@@ -11,6 +11,8 @@ VG_FUNCTION: int
 VG_TENSOR: int
 VG_CALL: int
 VG_TENSORS: int
+VG_BYTES: int
+VG_SLOTS: int
 
 class ArmToken: ...
 

@@ -733,7 +733,25 @@ def _given_models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tup
         "environment": (t.ReadsTheEnvironment, x),
         "partial": (t.UsesPartial, x),
         "no_dict_version": (t.ReadsMutableObjects, x),
+        "computed_names": (_ComputedNames, x),
     }
+
+
+class _ComputedNames(nn.Module):
+    """Attributes read by names built at run time, through getattr, hasattr, vars()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.kind = "relu"
+        self.scale_relu, self.scale_gelu = 2.0, 3.0
+        self.shift_relu, self.shift_gelu = 0.5, -0.5
+
+    def forward(self, x):
+        y = self.proj(x) * getattr(self, "scale_" + self.kind)
+        if hasattr(self, "extra_" + self.kind):
+            y = y + 1
+        return y + vars(self)["shift_" + self.kind]
 
 
 def all_models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]]:

@@ -88,3 +88,121 @@ def test_dict_version_helper():
     assert _C.dict_version(d) != v
     with pytest.raises(TypeError):
         _C.dict_version([])
+
+
+def _value_entry(spec, name="contents"):
+    return _C.CacheEntry(None, [], [], [name], {"info": 1}, [spec])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: bytearray(b"\x01\x02\x03"),
+    lambda: __import__("array").array("d", [1.0, 2.0]),
+    lambda: __import__("numpy").arange(12, dtype="float32").reshape(3, 4),
+    lambda: __import__("numpy").arange(12, dtype="int64").reshape(3, 4)[:, ::2],  # strided
+    lambda: __import__("numpy").zeros(0),
+], ids=["bytearray", "array.array", "ndarray", "strided ndarray", "empty ndarray"])
+def test_bytes_guard_compares_contents_and_layout_in_c(make):
+    from nnscaler_eval.guarding.state_guards import VG_BYTES
+    obj = make()
+    e = _value_entry((VG_BYTES, obj))
+    assert e.check_verbose() is None
+    if len(obj):
+        old = obj[0] if not hasattr(obj, "shape") else obj.flat[0]
+        if hasattr(obj, "shape"):
+            obj.flat[0] = old + 1
+        else:
+            obj[0] = old + 1
+        assert e.check_verbose() == "contents"
+        if hasattr(obj, "shape"):
+            obj.flat[0] = old
+        else:
+            obj[0] = old
+        assert e.check_verbose() is None      # restored: holds again
+    if isinstance(obj, bytearray):
+        obj.append(0)                          # same prefix, longer
+        assert e.check_verbose() == "contents"
+        del obj[-1]
+        assert e.check_verbose() is None
+
+
+def test_bytes_guard_sees_a_reshape_and_a_dtype_view():
+    import numpy as np
+    from nnscaler_eval.guarding.state_guards import VG_BYTES
+    a = np.arange(6, dtype="int32")
+    holder = {"a": a}
+    e = _value_entry((VG_BYTES, a))
+    a.shape = (2, 3)                           # same bytes, other shape
+    assert e.check_verbose() == "contents"
+    a.shape = (6,)
+    assert e.check_verbose() is None
+    a.dtype = np.float32                       # same bytes, other format
+    assert e.check_verbose() == "contents"
+    assert holder
+
+
+def test_bytes_guard_refuses_what_it_cannot_compare():
+    import numpy as np
+    from nnscaler_eval.guarding.state_guards import VG_BYTES
+    with pytest.raises(TypeError, match="objects"):
+        _value_entry((VG_BYTES, np.array([object()], dtype=object)))
+    with pytest.raises(TypeError, match="buffer"):
+        _value_entry((VG_BYTES, [1, 2]))
+
+
+class _Slotted:
+    __slots__ = ("a", "__b")
+
+    def __init__(self):
+        self.a = 1
+        self.__b = "x"
+
+
+def test_slots_guard_reads_the_slots_where_they_live():
+    from nnscaler_eval.guarding.state_guards import VG_SLOTS
+    obj = _Slotted()
+    marker = object()
+    e = _value_entry((VG_SLOTS, obj, ("a", "_Slotted__b"), (1, "x"), MISSING))
+    assert e.check_verbose() is None
+    obj.a = 2
+    assert e.check_verbose() == "contents"
+    obj.a = 1
+    assert e.check_verbose() is None
+    del obj.a                                  # unset slot: "absent", not the old value
+    assert e.check_verbose() == "contents"
+    e2 = _value_entry((VG_SLOTS, obj, ("a",), (MISSING,), MISSING))
+    assert e2.check_verbose() is None
+    obj.a = marker
+    assert e2.check_verbose() == "contents"
+
+
+def test_slots_guard_follows_the_class_and_dies_with_its_values():
+    from nnscaler_eval.guarding.state_guards import VG_SLOTS
+
+    class Other:
+        __slots__ = ("a", "_Slotted__b")
+
+    class Value:
+        pass
+
+    obj, value = _Slotted(), Value()
+    obj.a = value
+    e = _value_entry((VG_SLOTS, obj, ("a",), (value,), MISSING))
+    assert e.check_verbose() is None
+    obj.__class__ = Other                      # same layout, another class
+    assert e.check_verbose() == "contents"
+    obj.__class__ = _Slotted
+    assert e.check_verbose() is None
+    ref = weakref.ref(value)
+    obj.a = None
+    del value
+    gc.collect()
+    assert ref() is None
+    assert e.check_verbose() == "contents"     # its value died: can never hold again
+
+
+def test_slots_guard_refuses_names_that_are_not_object_slots():
+    from nnscaler_eval.guarding.state_guards import VG_SLOTS
+    with pytest.raises(TypeError, match="not a slot"):
+        _value_entry((VG_SLOTS, _Slotted(), ("missing_name",), (1,), MISSING))
+    with pytest.raises(TypeError, match="not a slot"):
+        _value_entry((VG_SLOTS, _Slotted(), ("__b",), ("x",), MISSING))   # unmangled

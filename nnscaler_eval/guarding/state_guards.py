@@ -31,6 +31,7 @@ does not cache the capture.
 from __future__ import annotations
 
 import array
+import builtins
 import dis
 import functools
 import gc
@@ -38,6 +39,7 @@ import keyword
 import os
 import random
 import sys
+import threading
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -52,8 +54,9 @@ from nnscaler_eval.tracing.locations import is_library_file
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
 # Spec kinds understood by guards/value_guards.c, which defines their numbers.
-VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS = (
-    _C.VG_DICT, _C.VG_LIST, _C.VG_CELL, _C.VG_FUNCTION, _C.VG_TENSOR, _C.VG_CALL, _C.VG_TENSORS)
+VG_DICT, VG_LIST, VG_CELL, VG_FUNCTION, VG_TENSOR, VG_CALL, VG_TENSORS, VG_BYTES, VG_SLOTS = (
+    _C.VG_DICT, _C.VG_LIST, _C.VG_CELL, _C.VG_FUNCTION, _C.VG_TENSOR, _C.VG_CALL, _C.VG_TENSORS,
+    _C.VG_BYTES, _C.VG_SLOTS)
 
 # Bumped whenever nn.Module._apply runs (`.to()`, `.half()`, `.cuda()`, `.float()`...)
 # or a tensor's `.data` is assigned (`param.data = other`): the ways torch changes
@@ -166,12 +169,56 @@ def _names_of(code: types.CodeType) -> Iterable[str]:
             yield const
 
 
+# Names user code can use to read attributes or namespace entries by a name computed
+# at run time, which neither co_names nor the constants show, and which the
+# getattr/hasattr recording below does not see: where user code that ran names one,
+# every key of the attribute namespaces the walk reaches is guarded
+# (`_StateWalk.every_key`).
+_KEYED_READERS = frozenset({"__dict__", "vars", "attrgetter", "methodcaller",
+                            "__getattribute__", "getattr_static"})
+
+_REAL_GETATTR = builtins.getattr
+_REAL_HASATTR = builtins.hasattr
+# The recorder active now, and its thread: captures run one at a time (trace_state).
+_recording: Optional[tuple["CodeRecorder", int]] = None
+
+
+def _note_read(name: Any) -> None:
+    """Notes `name` when the code calling getattr/hasattr is code whose names the
+    guards follow (CodeRecorder.names: the user's, installed packages', torch.nn
+    layers'), on the capturing thread."""
+    active = _recording
+    if active is None or type(name) is not str or threading.get_ident() != active[1]:
+        return
+    filename = sys._getframe(2).f_code.co_filename
+    if not is_library_file(filename) or _TORCH_NN_DIR in filename:
+        active[0].read_names.add(name)
+
+
+def _recording_getattr(obj: Any, name: Any, /, *default: Any) -> Any:
+    """builtins.getattr while a capture runs: notes the name, then is getattr."""
+    _note_read(name)
+    return _REAL_GETATTR(obj, name, *default)
+
+
+def _recording_hasattr(obj: Any, name: Any, /) -> bool:
+    """builtins.hasattr while a capture runs: notes the name, then is hasattr."""
+    _note_read(name)
+    return _REAL_HASATTR(obj, name)
+
+
 class CodeRecorder:
-    """Records the functions that run on this thread while it is active.
+    """Records the functions that run on this thread while it is active, and the
+    attribute names read through `getattr`/`hasattr` (a name computed at run time,
+    `getattr(self, "scale_" + kind)`, is in no code's co_names).
 
     The frame evaluator notes each frame's function (csrc/frame_record.c): it sees
     every Python frame of the capture, the rewritten ones our evaluator runs and torch
     layers' forwards included, and it leaves the user's profiler (cProfile) alone.
+    `getattr` and `hasattr` are looked up in `builtins` by the code that calls them:
+    for the length of the capture they are recording wrappers there (other threads
+    pass through them unrecorded); a reference bound before the capture
+    (`_get = getattr`) is not seen.
     """
 
     def __init__(self) -> None:
@@ -179,14 +226,30 @@ class CodeRecorder:
         self.codes: dict[int, types.CodeType] = {}
         # id(globals) -> (globals, names user code can read through it)
         self.globals: dict[int, tuple[dict, set[str]]] = {}
+        self.read_names: set[str] = set()
+        self.getattr_unseen = False
         self.complete = True
         self._token: Any = None
+        self._installed = False
 
     def __enter__(self) -> "CodeRecorder":
+        global _recording
+        if _recording is None and builtins.getattr is _REAL_GETATTR and \
+                builtins.hasattr is _REAL_HASATTR:
+            _recording = (self, threading.get_ident())
+            builtins.getattr, builtins.hasattr = _recording_getattr, _recording_hasattr
+            self._installed = True
+        else:
+            self.getattr_unseen = True   # another getattr in builtins: every key guarded
         self._token = _C.record_functions_start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _recording
+        if self._installed:
+            builtins.getattr, builtins.hasattr = _REAL_GETATTR, _REAL_HASATTR
+            _recording = None
+            self._installed = False
         functions, complete = _C.record_functions_stop(self._token)
         self._token = None
         self.complete = bool(complete)
@@ -213,7 +276,14 @@ class CodeRecorder:
             if is_library_file(filename) and _TORCH_NN_DIR not in filename:
                 continue
             names.update(_names_of(code))
-        return names
+        return names | self.read_names
+
+    def reads_keys_by_value(self) -> bool:
+        """User code that ran can read an attribute namespace by a computed key
+        (`vars(self)[k]`, `self.__dict__[k]`, `attrgetter(k)`): see _KEYED_READERS."""
+        return self.getattr_unseen or any(not is_library_file(code.co_filename) and
+                   not _KEYED_READERS.isdisjoint(code.co_names)
+                   for code in self.codes.values())
 
     def user_functions(self) -> list[types.FunctionType]:
         """Functions of the user's code that ran and existed before the call (not the
@@ -271,16 +341,35 @@ _ENVIRON_READERS = tuple(f for f in (getattr(os, "getenv", None), getattr(os, "g
 MAX_CONTENT_BYTES = 1 << 20
 
 
-def _slot_names(cls: type) -> frozenset:
-    """The names of the slots `cls` and its bases declare (instance attributes that
-    live outside any `__dict__`)."""
-    names: set[str] = set()
+def _slot_names(cls: type) -> dict[str, str]:
+    """The slots `cls` and its bases declare (instance attributes that live outside
+    any `__dict__`): {name as code writes it: name of its member descriptor} (a
+    private `__x` is stored mangled, `_Cls__x`)."""
+    names: dict[str, str] = {}
     for klass in cls.__mro__:
         declared = klass.__dict__.get("__slots__", ())
         if isinstance(declared, str):
             declared = (declared,)
-        names.update(n for n in declared if n not in ("__dict__", "__weakref__"))
-    return frozenset(names)
+        for name in declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            stored = (f"_{klass.__name__.lstrip('_')}{name}"
+                      if name.startswith("__") and not name.endswith("__") else name)
+            names.setdefault(name, stored)
+    # A class attribute of the same name, met first along the MRO, shadows the slot
+    # (sympy's `One.p = 1` over Rational's slot `p`): reading it reads the class,
+    # which visit_class guards.
+    return {name: stored for name, stored in names.items()
+            if type(_class_lookup(cls, stored)) is types.MemberDescriptorType}
+
+
+def _class_lookup(cls: type, name: str) -> Any:
+    """What attribute lookup finds for `name` along `cls`'s MRO, calling nothing."""
+    for klass in cls.__mro__:
+        namespace = klass.__dict__
+        if name in namespace:
+            return namespace[name]
+    return MISSING
 
 
 def _is_ndarray(value: Any) -> bool:
@@ -288,37 +377,25 @@ def _is_ndarray(value: Any) -> bool:
     return numpy is not None and isinstance(value, numpy.ndarray)
 
 
-def _content_reader(obj: Any) -> Optional[Callable[[Any], Any]]:
-    """How to read `obj`'s contents for a comparison, or None if it cannot be (too
-    large, or of a kind without bytes)."""
+def _buffer_fallback(obj: Any) -> Optional[str]:
+    """Why `obj`'s contents cannot be a VG_BYTES guard (too large, objects in it, a
+    buffer that Python code exports), or None when they can: bytearrays,
+    array.arrays and NumPy arrays, whose buffers C exports (a class's own
+    `__buffer__` would run on every hit)."""
     if isinstance(obj, (bytearray, array.array)):
-        if len(obj) * getattr(obj, "itemsize", 1) > MAX_CONTENT_BYTES:
-            return None
-        return lambda o: (type(o), bytes(o))
-    if _is_ndarray(obj):
-        if obj.nbytes > MAX_CONTENT_BYTES or obj.dtype.hasobject:
-            return None
-        return lambda o: (o.dtype.str, o.shape, o.strides, o.tobytes())
+        size = len(obj) * obj.itemsize if isinstance(obj, array.array) else len(obj)
+    elif _is_ndarray(obj):
+        if obj.dtype.hasobject:
+            return "it holds Python objects"
+        size = obj.nbytes
+    else:
+        return "it has no bytes to compare"
+    if any("__buffer__" in vars(k) for k in type(obj).__mro__
+           if k.__module__ not in ("builtins", "array", "numpy")):
+        return "its class exports the buffer in Python"
+    if size > MAX_CONTENT_BYTES:
+        return f"{size} bytes, more than the {MAX_CONTENT_BYTES} compared on each call"
     return None
-
-
-class _Contents:
-    """A value guard (VG_CALL) on state without a dict version: what `read` gives
-    for the object now equals what it gave at capture (values compared as the dict
-    guards compare them: identity, or value for plain scalars and tuples of them)."""
-
-    __slots__ = ("obj", "read", "expected")
-
-    def __init__(self, obj: Any, read: Callable[[Any], Any]) -> None:
-        self.obj = obj
-        self.read = read
-        self.expected = read(obj)
-
-    def __call__(self) -> bool:
-        try:
-            return same_value(self.read(self.obj), self.expected)
-        except Exception:
-            return False
 
 
 def same_value(a: Any, b: Any, atoms: tuple[type, ...] = _ATOMS) -> bool:
@@ -337,8 +414,10 @@ class _StateWalk:
     """Builds the value guards for one capture (see the module docstring)."""
 
     def __init__(self, names: set[str], labels: dict[int, str],
-                 visited: Iterable[nn.Module] = ()) -> None:
+                 visited: Iterable[nn.Module] = (), every_key: bool = False) -> None:
         self.names = names
+        # attribute namespaces guarded whole (CodeRecorder.reads_keys_by_value)
+        self.every_key = every_key
         # modules the trace called: guard_builder guards their trees and hooks
         self.visited = {id(m) for m in visited}
         self.watched = frozenset(names)
@@ -365,11 +444,14 @@ class _StateWalk:
     def guard_namespace(self, namespace: dict, label: str, depth: int,
                         names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
                         owner: Any = None, exact: bool = False,
-                        pinned: tuple[str, ...] = (), walk: bool = True) -> None:
+                        pinned: tuple[str, ...] = (), walk: bool = True,
+                        attributes: bool = False) -> None:
         """Guard `namespace[key]` for the keys captured code can read, and walk them.
 
         `names=None`: the names captured code can look up (attribute namespaces);
-        otherwise exactly those keys (a plain dict: all of its keys)."""
+        otherwise exactly those keys (a plain dict: all of its keys).  `attributes`:
+        the instance namespace of an object or module, guarded whole where user code
+        can read it by a computed key (`every_key`)."""
         # A dict reached twice (a module's globals, as the scope of a function that
         # ran and as a module object user code reads attributes of) is guarded for
         # the union of what each way reads: a second guard takes the keys the first
@@ -377,6 +459,10 @@ class _StateWalk:
         key = id(namespace)
         if key in self._exact:
             return
+        if names is None and self.every_key and attributes:
+            # User code can read this namespace by a computed key (vars(), __dict__):
+            # all of it is guarded, a key added included.
+            names, exact, skip = list(namespace), True, ()
         covered = self._keys.setdefault(key, set())
         skipped = set(skip)
         if not exact:   # an exact guard checks every key, covered or not
@@ -467,7 +553,7 @@ class _StateWalk:
         # container guard below compare their contents): Sequential.__delitem__
         # rebinds `_modules` to a new dict, leaving the guarded one unchanged.
         self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS - frozenset(_TREE_DICTS),
-                             owner=module, pinned=_TREE_DICTS)
+                             owner=module, pinned=_TREE_DICTS, attributes=True)
         if id(module) not in self.visited:
             # A container the forward iterated or indexed without calling it
             # (ModuleList, ModuleDict, Sequential): an appended, replaced or removed
@@ -483,16 +569,19 @@ class _StateWalk:
         namespace = getattr(obj, "__dict__", None)
         if type(namespace) is dict:
             weakly = type(obj).__weakrefoffset__ != 0
-            self.guard_namespace(namespace, label, depth, owner=obj if weakly else None)
-        slots = _slot_names(type(obj)) & self.names
-        if slots:
-            # Attributes in slots: no dict, so no version; compared on every hit.
-            names = tuple(sorted(slots))
-            guard = _Contents(obj, lambda o, names=names: tuple(
-                getattr(o, n, MISSING) for n in names))
-            self.out.add((VG_CALL, guard), f"{label}: slots {', '.join(names)} "
-                                           f"of a {type(obj).__name__} (compared on each call)")
-            for name, value in zip(names, guard.expected):
+            self.guard_namespace(namespace, label, depth, owner=obj if weakly else None,
+                                 attributes=True)
+        slots = _slot_names(type(obj))
+        names = tuple(sorted(n for n in slots if n in self.names))
+        if names:
+            # Attributes in slots: no dict, so no version; read where they live and
+            # compared on every hit (VG_SLOTS, in C).
+            stored = tuple(slots[n] for n in names)
+            values = tuple(getattr(obj, n, MISSING) for n in stored)
+            self.out.add((VG_SLOTS, obj, stored, values, MISSING),
+                         f"{label}: slots {', '.join(names)} of a {type(obj).__name__} "
+                         f"(compared on each call)")
+            for name, value in zip(names, values):
                 self.visit(value, f"{label}.{name}", depth + 1)
         self.visit_class(type(obj), depth)
 
@@ -509,12 +598,12 @@ class _StateWalk:
         """A mutable object no dict version covers (a NumPy array, a bytearray):
         its bytes, compared on every hit; one too large to compare makes the
         capture run eagerly."""
-        read = _content_reader(obj)
-        if read is None:
+        why = _buffer_fallback(obj)
+        if why is not None:
             self.out.unguardable.append(
-                f"{label} (a {type(obj).__name__} the guards cannot compare)")
+                f"{label} (a {type(obj).__name__} the guards cannot compare: {why})")
             return
-        self.out.add((VG_CALL, _Contents(obj, read)),
+        self.out.add((VG_BYTES, obj),
                      f"{label}: contents of a {type(obj).__name__} (compared on each call)")
 
     def visit_class(self, cls: type, depth: int) -> None:
@@ -565,7 +654,8 @@ def build_state_value_guards(
 ) -> StateGuardSet:
     """The value guards of one capture; `labels`: id(module) -> path for messages."""
     modules = list(modules)
-    walk = _StateWalk(recorder.names(), labels, modules)
+    walk = _StateWalk(recorder.names(), labels, modules,
+                      every_key=recorder.reads_keys_by_value())
     if root is not None:
         walk.visit(root, "self", 0)
     for module in modules:
