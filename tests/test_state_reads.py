@@ -372,27 +372,6 @@ def test_attributes_read_by_a_computed_name(how, change, revert):
     assert info.captures <= 2 and info.hits >= 6, info   # recaptured once, then hits
 
 
-def test_getattr_is_builtins_own_outside_a_capture():
-    import builtins
-    real = builtins.getattr, builtins.hasattr
-    compiled = nnscaler.compile(ComputedNames("getattr"))
-    compiled(torch.randn(2, 4))
-    assert (builtins.getattr, builtins.hasattr) == real
-
-
-class InterruptedInForward(nn.Module):
-    def forward(self, x):
-        raise KeyboardInterrupt
-
-
-def test_getattr_restored_when_a_capture_is_interrupted():
-    import builtins
-    real = builtins.getattr, builtins.hasattr
-    with pytest.raises(KeyboardInterrupt):
-        nnscaler.compile(InterruptedInForward())(torch.randn(2))
-    assert (builtins.getattr, builtins.hasattr) == real
-
-
 class _Rational:
     __slots__ = ("p", "q")
 
@@ -428,3 +407,38 @@ def test_a_slot_beside_a_shadowed_one():
     compiled = _differential(ReadsShadowedSlot, lambda m, _: setattr(ONE, "q", 5),
                              lambda m, _: setattr(ONE, "q", 1))
     assert nnscaler.cache_info(compiled).fallbacks == 0
+
+
+def _reads(fn) -> bool:
+    from nnscaler_eval.guarding.state_guards import reads_by_computed_name
+    return reads_by_computed_name(fn.__code__)
+
+
+def foo(*args):
+    return args
+
+
+@pytest.mark.parametrize("fn, computed", [
+    (lambda self: getattr(self, "x"), False),
+    (lambda self: getattr(self, "x", None), False),
+    (lambda self: hasattr(self.cfg, "y") and getattr(self.cfg.z, "q", self.d), False),
+    (lambda self: getattr(self.f(1), "q") + getattr(self.g(self.h), "q", [1, 2]), False),
+    (lambda self: getattr(self, "x", 0) + len(getattr(self, "z", ())), False),
+    (lambda self: self.x + foo(self, "a"), False),
+    (lambda self, n: getattr(self, n), True),
+    (lambda self: getattr(self, "x_" + self.k), True),
+    (lambda self, k: getattr(self, k, "default"), True),
+    (lambda self, k: getattr(self.f(k), "q" + k), True),
+    (lambda self: getattr(self, "a" if self.t else "b"), True),
+    (lambda self, y: foo(y, "a") + getattr(self, y), True),
+    (lambda self, *a: getattr(*a), True),
+    (lambda self: foo(getattr)(self, "x"), True),
+    (lambda self: vars(self)["x"], True),
+    (lambda self: self.__dict__["x"], True),
+    (lambda self: self.getattr(1), True),
+])
+def test_which_code_reads_by_a_computed_name(fn, computed):
+    """The bytecode check behind the whole-namespace guards, on this CPython: a
+    getattr/hasattr whose name is a string constant is what its constants show;
+    anything else that can read by a computed name counts."""
+    assert _reads(fn) is computed

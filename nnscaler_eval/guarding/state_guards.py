@@ -31,7 +31,6 @@ does not cache the capture.
 from __future__ import annotations
 
 import array
-import builtins
 import dis
 import functools
 import gc
@@ -39,7 +38,6 @@ import keyword
 import os
 import random
 import sys
-import threading
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -137,6 +135,11 @@ def _is_library_module(module: types.ModuleType) -> bool:
     return filename is None or is_library_file(filename)
 
 
+def _is_library_class(cls: type) -> bool:
+    module = sys.modules.get(getattr(cls, "__module__", None) or "")
+    return module is None or _is_library_module(module)
+
+
 def _is_library_function(fn: types.FunctionType) -> bool:
     """Library code: a library file's, or code a library module generated from a
     string (a dataclass's `__init__`, a namedtuple's `__new__`: filename `<string>`)
@@ -169,56 +172,114 @@ def _names_of(code: types.CodeType) -> Iterable[str]:
             yield const
 
 
-# Names user code can use to read attributes or namespace entries by a name computed
-# at run time, which neither co_names nor the constants show, and which the
-# getattr/hasattr recording below does not see: where user code that ran names one,
-# every key of the attribute namespaces the walk reaches is guarded
-# (`_StateWalk.every_key`).
-_KEYED_READERS = frozenset({"__dict__", "vars", "attrgetter", "methodcaller",
-                            "__getattribute__", "getattr_static"})
-
-_REAL_GETATTR = builtins.getattr
-_REAL_HASATTR = builtins.hasattr
-# The recorder active now, and its thread: captures run one at a time (trace_state).
-_recording: Optional[tuple["CodeRecorder", int]] = None
-
-
-def _note_read(name: Any) -> None:
-    """Notes `name` when the code calling getattr/hasattr is code whose names the
-    guards follow (CodeRecorder.names: the user's, installed packages', torch.nn
-    layers'), on the capturing thread."""
-    active = _recording
-    if active is None or type(name) is not str or threading.get_ident() != active[1]:
-        return
-    filename = sys._getframe(2).f_code.co_filename
-    if not is_library_file(filename) or _TORCH_NN_DIR in filename:
-        active[0].read_names.add(name)
+# Names through which user code can read an attribute or a namespace entry by a name
+# computed at run time (`getattr(self, "scale_" + kind)`, `vars(self)[k]`), which
+# neither co_names nor the constants show.  Where user code that ran uses one so
+# (`reads_by_computed_name`), the namespaces the walk reaches are guarded whole
+# (`_StateWalk.every_key`).  A getattr/hasattr call whose name is a string constant
+# (`getattr(config, "use_cache", None)`, the common case) reads a name the constants
+# show, and costs nothing more.  (Recording names as getattr runs would need
+# builtins.getattr replaced for the length of a capture; libraries that snapshot
+# the builtins meanwhile, Dynamo's trace rules on first use, keep the replacement.)
+_NAME_READERS = frozenset({"getattr", "hasattr"})
+_KEYED_READERS = _NAME_READERS | {"__dict__", "vars", "attrgetter", "methodcaller",
+                                  "__getattribute__", "getattr_static"}
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
+_CALLS = frozenset(dis.opmap[n] for n in ("CALL", "PRECALL") if n in dis.opmap)
+_LOAD_CONST = dis.opmap["LOAD_CONST"]
+_LOAD_GLOBAL = dis.opmap["LOAD_GLOBAL"]
 
 
-def _recording_getattr(obj: Any, name: Any, /, *default: Any) -> Any:
-    """builtins.getattr while a capture runs: notes the name, then is getattr."""
-    _note_read(name)
-    return _REAL_GETATTR(obj, name, *default)
+@functools.lru_cache(maxsize=4096)
+def reads_by_computed_name(code: types.CodeType) -> bool:
+    """Whether `code` can read an attribute or namespace entry by a name computed at
+    run time: it names one of _KEYED_READERS other than as the callee of a
+    getattr/hasattr call whose name argument is a string constant.  Conservative:
+    any use that straight-line bytecode does not show to be such a call counts."""
+    if _KEYED_READERS.isdisjoint(code.co_names):
+        return False
+    if not (_KEYED_READERS - _NAME_READERS).isdisjoint(code.co_names):
+        return True
+    instructions = [ins for ins in dis.get_instructions(code) if ins.opname != "CACHE"]
+    for i, ins in enumerate(instructions):
+        if ins.argval in _NAME_READERS and ins.opname != "LOAD_CONST":
+            if not _constant_name_call(instructions, i):
+                return True
+    return False
 
 
-def _recording_hasattr(obj: Any, name: Any, /) -> bool:
-    """builtins.hasattr while a capture runs: notes the name, then is hasattr."""
-    _note_read(name)
-    return _REAL_HASATTR(obj, name)
+# Instructions that only work on the top of the stack, by how many values they
+# push (what they pop is that less their stack effect): a getattr default may be
+# made of these.
+_PUSHES_ONE = frozenset(dis.opmap[n] for n in (
+    "LOAD_CONST", "LOAD_FAST", "LOAD_FAST_BORROW", "LOAD_FAST_CHECK", "LOAD_DEREF",
+    "LOAD_SMALL_INT", "LOAD_NAME", "BINARY_OP", "BINARY_SUBSCR", "CALL", "BUILD_TUPLE",
+    "BUILD_LIST", "UNARY_NEGATIVE", "UNARY_NOT", "UNARY_INVERT", "PUSH_NULL",
+    "LOAD_ATTR", "LOAD_GLOBAL") if n in dis.opmap)
+
+
+def _pushes(ins: Any) -> int:
+    """Values `ins` (one of _PUSHES_ONE) leaves on top."""
+    if ins.opname in ("LOAD_GLOBAL", "LOAD_ATTR") and (ins.arg or 0) & 1 and (
+            ins.opname == "LOAD_GLOBAL" or sys.version_info >= (3, 12)):
+        return 2   # with a NULL or self for a call
+    return 1
+
+
+def _effect(ins: Any) -> int:
+    return (dis.stack_effect(ins.opcode, ins.arg, jump=False)
+            if ins.opcode >= dis.HAVE_ARGUMENT else dis.stack_effect(ins.opcode))
+
+
+def _constant_name_call(instructions: list, start: int) -> bool:
+    """The instruction at `start` loads getattr/hasattr as a global to call it, and
+    the call it feeds, in straight-line code, is (obj, "name") or (obj, "name",
+    default) with the name a string constant: the value pushed on top of
+    (callable, NULL, obj) is a LOAD_CONST of a str, and nothing touches it before
+    the call (the default is made of instructions that work on the top only)."""
+    load = instructions[start]
+    if load.opcode != _LOAD_GLOBAL or not (load.arg or 0) & 1:
+        return False   # a value (`f = getattr`), an attribute, a local of that name
+    depth = _effect(load)   # the callable and its NULL
+    name_at = None          # the last instruction that took the depth from 3 to 4
+    before: list[int] = []  # the depth before each instruction from `start` on
+    for j in range(start + 1, len(instructions)):
+        ins = instructions[j]
+        if ins.opcode in _JUMPS or ins.is_jump_target:
+            return False
+        if ins.opcode in _CALLS and depth == 2 + (ins.arg or 0):
+            break   # 3.11: its PRECALL, which comes first
+        try:
+            after = depth + _effect(ins)
+        except ValueError:
+            return False
+        if after < 3 <= depth:
+            return False   # the callable's first argument was consumed
+        if (depth, after) == (3, 4):
+            name_at = j
+        before.append(depth)
+        depth = after
+    else:
+        return False
+    if (ins.arg or 0) not in (2, 3) or name_at is None:
+        return False
+    name = instructions[name_at]
+    if name.opcode != _LOAD_CONST or not isinstance(name.argval, str):
+        return False
+    for k in range(name_at + 1, j):
+        ins = instructions[k]
+        # what it pops must leave the name (slot 4) alone
+        if ins.opcode not in _PUSHES_ONE or before[k - start - 1] - (_pushes(ins) - _effect(ins)) < 4:
+            return False
+    return True
 
 
 class CodeRecorder:
-    """Records the functions that run on this thread while it is active, and the
-    attribute names read through `getattr`/`hasattr` (a name computed at run time,
-    `getattr(self, "scale_" + kind)`, is in no code's co_names).
+    """Records the functions that run on this thread while it is active.
 
     The frame evaluator notes each frame's function (csrc/frame_record.c): it sees
     every Python frame of the capture, the rewritten ones our evaluator runs and torch
     layers' forwards included, and it leaves the user's profiler (cProfile) alone.
-    `getattr` and `hasattr` are looked up in `builtins` by the code that calls them:
-    for the length of the capture they are recording wrappers there (other threads
-    pass through them unrecorded); a reference bound before the capture
-    (`_get = getattr`) is not seen.
     """
 
     def __init__(self) -> None:
@@ -226,30 +287,14 @@ class CodeRecorder:
         self.codes: dict[int, types.CodeType] = {}
         # id(globals) -> (globals, names user code can read through it)
         self.globals: dict[int, tuple[dict, set[str]]] = {}
-        self.read_names: set[str] = set()
-        self.getattr_unseen = False
         self.complete = True
         self._token: Any = None
-        self._installed = False
 
     def __enter__(self) -> "CodeRecorder":
-        global _recording
-        if _recording is None and builtins.getattr is _REAL_GETATTR and \
-                builtins.hasattr is _REAL_HASATTR:
-            _recording = (self, threading.get_ident())
-            builtins.getattr, builtins.hasattr = _recording_getattr, _recording_hasattr
-            self._installed = True
-        else:
-            self.getattr_unseen = True   # another getattr in builtins: every key guarded
         self._token = _C.record_functions_start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _recording
-        if self._installed:
-            builtins.getattr, builtins.hasattr = _REAL_GETATTR, _REAL_HASATTR
-            _recording = None
-            self._installed = False
         functions, complete = _C.record_functions_stop(self._token)
         self._token = None
         self.complete = bool(complete)
@@ -276,13 +321,12 @@ class CodeRecorder:
             if is_library_file(filename) and _TORCH_NN_DIR not in filename:
                 continue
             names.update(_names_of(code))
-        return names | self.read_names
+        return names
 
     def reads_keys_by_value(self) -> bool:
-        """User code that ran can read an attribute namespace by a computed key
-        (`vars(self)[k]`, `self.__dict__[k]`, `attrgetter(k)`): see _KEYED_READERS."""
-        return self.getattr_unseen or any(not is_library_file(code.co_filename) and
-                   not _KEYED_READERS.isdisjoint(code.co_names)
+        """User code that ran can read a namespace by a name computed at run time
+        (`getattr(self, prefix + kind)`, `vars(self)[k]`): see _KEYED_READERS."""
+        return any(not is_library_file(code.co_filename) and reads_by_computed_name(code)
                    for code in self.codes.values())
 
     def user_functions(self) -> list[types.FunctionType]:
@@ -445,13 +489,17 @@ class _StateWalk:
                         names: Optional[Iterable[Any]] = None, skip: Iterable[str] = (),
                         owner: Any = None, exact: bool = False,
                         pinned: tuple[str, ...] = (), walk: bool = True,
-                        attributes: bool = False) -> None:
+                        attributes: str = "") -> None:
         """Guard `namespace[key]` for the keys captured code can read, and walk them.
 
         `names=None`: the names captured code can look up (attribute namespaces);
-        otherwise exactly those keys (a plain dict: all of its keys).  `attributes`:
-        the instance namespace of an object or module, guarded whole where user code
-        can read it by a computed key (`every_key`)."""
+        otherwise exactly those keys (a plain dict: all of its keys).  Where user code
+        can read namespaces by a computed key (`every_key`), `attributes` says how
+        this one is guarded instead: "whole" (an object's or a module's: every key,
+        a key added included), "class" (a user class's: the same, walking only the
+        values of `names`), "present" (a Python module's: every key it holds, a
+        library module gaining names as its submodules import; walking only the
+        values of the names code reads)."""
         # A dict reached twice (a module's globals, as the scope of a function that
         # ran and as a module object user code reads attributes of) is guarded for
         # the union of what each way reads: a second guard takes the keys the first
@@ -459,10 +507,22 @@ class _StateWalk:
         key = id(namespace)
         if key in self._exact:
             return
-        if names is None and self.every_key and attributes:
-            # User code can read this namespace by a computed key (vars(), __dict__):
-            # all of it is guarded, a key added included.
-            names, exact, skip = list(namespace), True, ()
+        walked: Optional[Iterable[Any]] = None   # all the guarded keys' values
+        if self.every_key and attributes:
+            if attributes == "class":
+                # the class's own names read by name are walked as before; the rest
+                # (its methods, mostly) only compared where they stand
+                walked = set(names if names is not None else ())
+            elif attributes == "present":
+                # a Python module's values: those read by name walked as before, the
+                # rest (its imports, functions, classes) compared where they stand
+                walked = {k for k in namespace if isinstance(k, str) and k in self.names}
+            else:
+                # a module's internals (hook dicts, `training`) are compared, not
+                # walked: guard_builder guards the hook dicts' contents
+                walked = set(namespace) - set(skip)
+            names, skip = list(namespace), ()
+            exact = exact or attributes in ("whole", "class")
         covered = self._keys.setdefault(key, set())
         skipped = set(skip)
         if not exact:   # an exact guard checks every key, covered or not
@@ -491,7 +551,7 @@ class _StateWalk:
                      f"{label}: {len(present)} names read ({', '.join(str(k) for k, _ in present[:6])}"
                      f"{', ...' if len(present) > 6 else ''})")
         for key, value in present:
-            if walk and key not in pinned:
+            if walk and key not in pinned and (walked is None or key in walked):
                 self.visit(value, f"{label}.{key}", depth + 1)
 
     def visit(self, value: Any, label: str, depth: int) -> None:
@@ -529,7 +589,7 @@ class _StateWalk:
             # a library module's own values are not walked further (library code is
             # trusted for what it reads of its own state).
             self.guard_namespace(value.__dict__, f"module {value.__name__}", depth,
-                                 walk=not _is_library_module(value))
+                                 walk=not _is_library_module(value), attributes="present")
             if value is os:
                 self.guard_environ(depth)
         elif value is os.environ or any(value is f for f in _ENVIRON_READERS):
@@ -553,7 +613,7 @@ class _StateWalk:
         # container guard below compare their contents): Sequential.__delitem__
         # rebinds `_modules` to a new dict, leaving the guarded one unchanged.
         self.guard_namespace(module.__dict__, label, depth, skip=_MODULE_INTERNALS - frozenset(_TREE_DICTS),
-                             owner=module, pinned=_TREE_DICTS, attributes=True)
+                             owner=module, pinned=_TREE_DICTS, attributes="whole")
         if id(module) not in self.visited:
             # A container the forward iterated or indexed without calling it
             # (ModuleList, ModuleDict, Sequential): an appended, replaced or removed
@@ -569,8 +629,10 @@ class _StateWalk:
         namespace = getattr(obj, "__dict__", None)
         if type(namespace) is dict:
             weakly = type(obj).__weakrefoffset__ != 0
+            # an object of a library's class (a logging.Logger) is read by the library,
+            # which is trusted for its own state: by the names user code reads only
             self.guard_namespace(namespace, label, depth, owner=obj if weakly else None,
-                                 attributes=True)
+                                 attributes="" if _is_library_class(type(obj)) else "whole")
         slots = _slot_names(type(obj))
         names = tuple(sorted(n for n in slots if n in self.names))
         if names:
@@ -618,7 +680,11 @@ class _StateWalk:
                 # torch's own classes: only plain values (class-level constants such as
                 # `_version`), not the methods (monkeypatching torch is out of scope)
                 present = set(k for k in present if isinstance(namespace[k], _ATOMS))
-            self.guard_namespace(namespace, f"class {klass.__qualname__}", depth, names=present)
+                self.guard_namespace(namespace, f"class {klass.__qualname__}", depth,
+                                     names=present)
+            else:
+                self.guard_namespace(namespace, f"class {klass.__qualname__}", depth,
+                                     names=present, attributes="class")
 
     def visit_function(self, fn: types.FunctionType, label: str, depth: int) -> None:
         if is_library_file(fn.__code__.co_filename):
