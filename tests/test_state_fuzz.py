@@ -15,6 +15,8 @@ MODELS = state_fuzz.all_models()
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_no_mutation_of_reachable_state_gives_a_stale_hit(name):
     make, inputs = MODELS[name]
-    report = state_fuzz.fuzz(make, inputs, mutations=2000, seed=0, name=name)
+    # A seeded sample of at most 800 per model (the Hugging Face models offer about
+    # 1,500, at 20 ms each); `make fuzz-state` runs them all, over five seeds.
+    report = state_fuzz.fuzz(make, inputs, mutations=800, seed=0, name=name)
     assert report.tried >= 5, report
     assert not report.stale, "\n".join(report.stale)

@@ -24,7 +24,7 @@ from nnscaler_eval.tracing.tracked_values import TrainingFlag
 
 CHILD_FLAG = "--threads-child"
 THREADS = 8
-CALLS_PER_THREAD = int(os.environ.get("NNSCALER_THREAD_CALLS", "5000"))
+CALLS_PER_THREAD = int(os.environ.get("NNSCALER_THREAD_CALLS", "2500"))
 CACHE_LIMIT = 8
 
 
