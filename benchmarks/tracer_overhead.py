@@ -2,11 +2,16 @@
 
     .venv/bin/python benchmarks/tracer_overhead.py [--quick]
 
-Measures, on one CPU thread:
-- nn.Linear(8, 8) at batch 1: the eager module call, the runner `capture()` generated
-  for it, and the bare `F.linear` it calls (the floor), with and without grad;
-- a transformer block: capture (trace) time, runner generation time, and a call.
-Medians of interleaved rounds; ratios against eager.
+Measures, on one CPU thread, each comparison between two things of the same scope:
+- nn.Linear(8, 8) at batch 1, with and without grad: the runner `capture()` generated
+  against eager's body (`type(m).forward(m, x)`: neither goes through
+  `nn.Module.__call__` or any guard); the compiled module's call
+  (`nnscaler.compile(m, backend="eager")`: key, guards and runner) against eager's
+  module call; and the bare `F.linear` both end in (the floor);
+- a transformer block: capture (trace) time, runner generation time, and the runner
+  against eager's body.
+Wall time: medians over rounds, the cases of a round in a rotated order (no case
+always runs first); ratios within the same scope only.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import nnscaler
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.capture import Capture, capture
 
@@ -57,13 +63,15 @@ def capture_module(module: nn.Module, *args: Any) -> Capture:
 def interleaved_medians(
     cases: dict[str, Callable[[], Any]], calls: int, rounds: int
 ) -> dict[str, float]:
-    """Median ns per call of each case, the cases measured in turn each round."""
+    """Median ns per call of each case, the cases measured in turn each round, each
+    round starting one case later."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for case in cases.values():
         for _ in range(max(calls // 5, 10)):
             case()
-    for _ in range(rounds):
-        for name, case in cases.items():
+    order = list(cases.items())
+    for round_ in range(rounds):
+        for name, case in order[round_ % len(order):] + order[:round_ % len(order)]:
             start = time.perf_counter_ns()
             for _ in range(calls):
                 case()
@@ -89,23 +97,34 @@ def main() -> None:
 
     linear, x = nn.Linear(8, 8), torch.randn(1, 8)
     runner = capture_module(linear, x).make_runner()
+    compiled = nnscaler.compile(nn.Linear(8, 8), backend="eager")
+    compiled.load_state_dict(linear.state_dict())
     weight, bias, f_linear = linear.weight, linear.bias, torch._C._nn.linear
+    body = type(linear).forward
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
+            compiled(x), compiled(x)   # captured before timing
             medians = interleaved_medians(
                 {
-                    "eager module call": lambda: linear(x),
+                    "eager body": lambda: body(linear, x),
                     "runner": lambda: runner(linear, x),
+                    "eager module call": lambda: linear(x),
+                    "compiled call": lambda: compiled(x),
                     "bare F.linear": lambda: f_linear(x, weight, bias),
                 },
                 calls,
                 rounds,
             )
-        eager, run, bare = medians["eager module call"], medians["runner"], medians["bare F.linear"]
+        m = medians
+        bare = m["bare F.linear"]
         print(
-            f"Linear(8,8) b=1 grad={grad}: eager {eager:.0f} ns | runner {run:.0f} ns "
-            f"({run / eager:.2f}x eager) | bare op {bare:.0f} ns | "
-            f"overhead over the op: runner {run - bare:+.0f} ns, eager {eager - bare:+.0f} ns"
+            f"Linear(8,8) b=1 grad={grad}: bodies: eager {m['eager body']:.0f} ns, runner "
+            f"{m['runner']:.0f} ns ({m['runner'] / m['eager body']:.2f}x) | calls: eager "
+            f"{m['eager module call']:.0f} ns, compiled {m['compiled call']:.0f} ns "
+            f"({m['compiled call'] / m['eager module call']:.2f}x) | bare op {bare:.0f} ns; "
+            f"over the op: runner {m['runner'] - bare:+.0f}, eager body "
+            f"{m['eager body'] - bare:+.0f}, compiled call {m['compiled call'] - bare:+.0f}, "
+            f"eager call {m['eager module call'] - bare:+.0f} ns"
         )
 
     block, xb = Block(), torch.randn(2, 16, 64)
@@ -123,14 +142,17 @@ def main() -> None:
         f"Block(dim=64) capture: median {statistics.median(trace_times) * 1e3:.1f} ms "
         f"(first {trace_times[0] * 1e3:.1f} ms), {nodes} nodes; make_runner {generate * 1e3:.1f} ms"
     )
+    block_body = type(block).forward
     medians = interleaved_medians(
-        {"eager": lambda: block(xb), "runner": lambda: block_runner(block, xb, *flags)},
+        {"eager body": lambda: block_body(block, xb),
+         "runner": lambda: block_runner(block, xb, *flags)},
         max(calls // 50, 20),
         rounds,
     )
     print(
-        f"Block(dim=64) call: eager {medians['eager'] / 1e3:.1f} us | runner "
-        f"{medians['runner'] / 1e3:.1f} us ({medians['runner'] / medians['eager']:.2f}x eager)"
+        f"Block(dim=64) body: eager {medians['eager body'] / 1e3:.1f} us | runner "
+        f"{medians['runner'] / 1e3:.1f} us "
+        f"({medians['runner'] / medians['eager body']:.2f}x eager's body)"
     )
 
 

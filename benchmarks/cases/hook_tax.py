@@ -1,17 +1,19 @@
 """1. Hook tax: what pure-Python code that is never captured pays for the package.
 
 fib(20) (21,892 frames per call) and a nested-call workload (1,401 frames: functions,
-a constructor and a method).  Variants:
+a constructor and a method).  Variants, each pair compared measuring the same loop:
 - none: a subprocess with torch imported and nnscaler *not* imported (baseline);
-- imported: nnscaler imported and a compiled model alive in this process, code run
+- imported: a subprocess with nnscaler imported and a compiled model alive, code run
   outside any compiled call (the hook should not even be installed);
-- armed (rewrite): inside `nnscaler.eval_frame.enable()`: every frame goes through
-  our C shim, which finds no target and defers to CPython;
+- dynamo alive: a subprocess with a torch.compile'd model alive (nnscaler not
+  imported), code run outside it: the peer of "imported";
+- armed (rewrite): in this process, inside `nnscaler.eval_frame.enable()`: every
+  frame goes through our C shim, which finds no target and defers to CPython;
 - armed (capture): inside `nnscaler.eval_frame.enable(backend="eager")`, same frames;
-- dynamo alive: a torch.compile'd model alive, code run outside it;
 - dynamo run-only: inside `torch._dynamo.run()` (Dynamo's callback installed, no
-  compilation), Dynamo's nearest equivalent of an armed region.
-Unit: ns per Python frame; ratio to "none".
+  compilation), Dynamo's nearest equivalent of an armed region: the peer of "armed".
+The three subprocesses run the same worker (benchmarks/hook_tax_worker.py), each
+holding only what its variant names.  Unit: ns per Python frame; ratio to "none".
 """
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks import models
 from benchmarks.harness import Loop, NotAvailable, Row, Settings, Variant, measure
 from benchmarks.pyworkloads import WORKLOADS
-from benchmarks.variants import compile_variant, first_call, nnscaler_module
+from benchmarks.variants import nnscaler_module
 
 NAME = "hook_tax"
 TITLE = "Hook tax on pure-Python code (ns per frame)"
@@ -34,21 +35,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class Worker:
-    """The "none" subprocess (see benchmarks/hook_tax_worker.py)."""
+    """One subprocess of benchmarks/hook_tax_worker.py, in `mode` ("none", "ours" or
+    "dynamo")."""
 
     def _start(self) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.hook_tax_worker"], cwd=ROOT, env=env,
+            [sys.executable, "-m", "benchmarks.hook_tax_worker", self.mode], cwd=ROOT, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.proc.stdout.readline().strip() if self.proc.stdout else ""
         if ready != "ready":
             self.close()
-            raise NotAvailable(f"hook-tax worker did not start (got {ready!r})")
+            raise NotAvailable(f"hook-tax worker ({self.mode}) did not start (got {ready!r})")
 
-    def __init__(self, clock: str) -> None:
+    def __init__(self, clock: str, mode: str) -> None:
         self.clock = clock
+        self.mode = mode
         self._start()
 
     def run(self, workload: str, n: int) -> float:
@@ -81,25 +84,12 @@ def _plain_loop(fn: Any) -> Loop:
 
 def run(settings: Settings) -> list[Row]:
     rows: list[Row] = []
-    worker: Optional[Worker] = None
-    worker_error: Optional[Exception] = None
-    try:
-        worker = Worker(settings.clock)
-    except Exception as exc:
-        worker_error = exc
-
-    # Keep compiled models alive for the whole case (their caches, their hooks).
-    alive: dict[str, Any] = {}
-    model, (x,) = models.build("mlp", 2)
-    try:
-        ours = compile_variant(model, "ours")
-        first_call("ours", ours, lambda: ours(x))
-        alive["ours"] = ours
-    except Exception as exc:
-        alive["ours_error"] = exc
-    dyn = compile_variant(model, "dynamo")
-    dyn(x)
-    alive["dynamo"] = dyn
+    workers: dict[str, Any] = {}
+    for mode in ("none", "ours", "dynamo"):
+        try:
+            workers[mode] = Worker(settings.clock, mode)
+        except Exception as exc:
+            workers[mode] = exc
 
     def armed(backend: Optional[str]) -> Any:
         try:
@@ -112,15 +102,11 @@ def run(settings: Settings) -> list[Row]:
             raise NotAvailable(f"eval_frame.enable() failed: {exc}") from exc
 
     for workload, (fn, frames) in WORKLOADS.items():
-        def none_setup(workload: str = workload) -> Loop:
-            if worker is None:
-                raise NotAvailable(f"subprocess failed: {worker_error}")
-            w = worker
-            return lambda n: w.run(workload, n)
-
-        def imported_setup(fn: Any = fn) -> Loop:
-            nnscaler_module()
-            return _plain_loop(fn)
+        def in_worker(mode: str, workload: str = workload) -> Loop:
+            worker = workers[mode]
+            if isinstance(worker, Exception):
+                raise NotAvailable(f"subprocess ({mode}) failed: {worker}")
+            return lambda n: worker.run(workload, n)
 
         def armed_setup(backend: Optional[str], fn: Any = fn) -> Loop:
             nnscaler_module()
@@ -134,23 +120,19 @@ def run(settings: Settings) -> list[Row]:
             return _plain_loop(wrapped)
 
         variants = [
-            Variant("none", none_setup),
-            Variant("imported", imported_setup),
+            Variant("none", lambda workload=workload: in_worker("none", workload)),
+            Variant("imported", lambda workload=workload: in_worker("ours", workload)),
+            Variant("dynamo alive", lambda workload=workload: in_worker("dynamo", workload)),
             Variant("armed (rewrite)", lambda fn=fn: armed_setup(None, fn),
                     context=lambda: armed(None)),
             Variant("armed (capture)", lambda fn=fn: armed_setup("eager", fn),
                     context=lambda: armed("eager")),
-            Variant("dynamo alive", lambda fn=fn: _plain_loop(fn)),
             Variant("dynamo run-only", dynamo_run_only),
         ]
-        measured = measure(NAME, workload, variants, settings, unit="ns", baseline="none",
-                           per_iteration=frames, params={"frames_per_call": frames})
-        for row in measured:
-            if row.variant == "imported" and "ours_error" in alive:
-                row.note = f"package imported, but no compiled model alive: {alive['ours_error']}"
-        rows += measured
-    if worker is not None:
-        worker.close()
-    del alive
+        rows += measure(NAME, workload, variants, settings, unit="ns", baseline="none",
+                        per_iteration=frames, params={"frames_per_call": frames})
+    for worker in workers.values():
+        if not isinstance(worker, Exception):
+            worker.close()
     torch._dynamo.reset()
     return rows
