@@ -209,3 +209,29 @@ def test_slots_guard_refuses_names_that_are_not_object_slots():
         _value_entry((VG_SLOTS, _Slotted(), ("missing_name",), (1,), MISSING))
     with pytest.raises(TypeError, match="not a slot"):
         _value_entry((VG_SLOTS, _Slotted(), ("__b",), ("x",), MISSING))   # unmangled
+
+
+def test_bytes_and_slots_guards_do_not_leak():
+    """Made, checked (holding and failing) and freed many times: the snapshots, the
+    slot offsets and the weakly held expected values go with each entry."""
+    import numpy as np
+    from leakcheck import assert_flat
+    from nnscaler_eval.guarding.state_guards import VG_BYTES, VG_SLOTS
+    arrays = [np.arange(64, dtype="float32").reshape(8, 8)[:, ::2], bytearray(b"abc")]
+    holder = _Slotted()
+
+    def workload():
+        for i in range(2000):
+            value = _Slotted()   # no __weakref__ slot: the guard holds it strongly
+            holder.a = i % 3
+            entry = _C.CacheEntry(None, [], [], ["b", "s"], {"info": 1}, [
+                (VG_BYTES, arrays[i % 2]),
+                (VG_SLOTS, holder, ("a", "_Slotted__b"), (1, value), MISSING)])
+            entry.check_verbose()
+            try:
+                _C.CacheEntry(None, [], [], ["s"], {"info": 1},
+                              [(VG_SLOTS, holder, ("a", "nope"), (1, 2), MISSING)])
+            except TypeError:
+                pass
+
+    assert_flat(workload)
