@@ -212,14 +212,21 @@ buffer_snapshot(PyObject *obj)
     return result;
 }
 
+/* Runs Python only for an exporter written in Python (3.12+ `__buffer__`; the
+ * Python side picks C exporters): the object and the snapshot are held across the
+ * call, so a `__buffer__` that clears this guard (a reset) leaves both readable. */
 static int
 check_bytes(ValueGuard *guard)
 {
-    PyObject *layout = PyTuple_GET_ITEM(guard->expected, 0);
-    PyObject *contents = PyTuple_GET_ITEM(guard->expected, 1);
+    PyObject *expected = Py_NewRef(guard->expected);
+    PyObject *target = Py_NewRef(guard->target);
+    PyObject *layout = PyTuple_GET_ITEM(expected, 0);
+    PyObject *contents = PyTuple_GET_ITEM(expected, 1);
     Py_buffer view;
-    if (PyObject_GetBuffer(guard->target, &view, BUFFER_FLAGS) < 0) {
+    if (PyObject_GetBuffer(target, &view, BUFFER_FLAGS) < 0) {
         PyErr_Clear();   /* no longer exports a buffer: does not hold */
+        Py_DECREF(target);
+        Py_DECREF(expected);
         return 0;
     }
     Py_ssize_t words[3 + 2 * PyBUF_MAX_NDIM];
@@ -243,6 +250,8 @@ check_bytes(ValueGuard *guard)
         PyMem_Free(scratch);
     }
     PyBuffer_Release(&view);
+    Py_DECREF(target);
+    Py_DECREF(expected);
     return ok;
 }
 
@@ -468,7 +477,7 @@ value_guard_clear(ValueGuard *guard)
     PyMem_Free(guard->weak);
     guard->weak = NULL;
     if (guard->kind == VG_SLOTS) {
-        PyMem_Free(guard->slot_offsets);
+        PyMem_Free(guard->slot_offsets);   /* shares its field with `dict` */
     }
     guard->dict = NULL;
 }

@@ -235,3 +235,38 @@ def test_bytes_and_slots_guards_do_not_leak():
                 pass
 
     assert_flat(workload)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="__buffer__ in Python is 3.12+")
+@pytest.mark.parametrize("meddle", ["drop references and collect", "mutate", "collect"])
+def test_bytes_guard_survives_python_in_the_buffer_export(meddle):
+    """The Python side never guards a buffer exported by Python code; the C guard
+    still holds what it reads when such an exporter runs Python in the middle of the
+    check: drops the entry's last other reference and collects, changes its bytes."""
+    from nnscaler_eval.guarding.state_guards import VG_BYTES
+    actions = []
+
+    class Exporter:
+        def __init__(self) -> None:
+            self.data = bytearray(b"abcd")
+
+        def __buffer__(self, flags):
+            if actions:
+                actions.pop()()
+            return memoryview(self.data)
+
+    obj = Exporter()
+    entries = [_value_entry((VG_BYTES, obj))]
+    entry = entries[0]
+    assert entry.check_verbose() is None
+    if meddle == "drop references and collect":
+        actions.append(lambda: (entries.clear(), gc.collect()))
+        assert entry.check_verbose() is None
+    elif meddle == "mutate":
+        actions.append(lambda: obj.data.__setitem__(0, 0x7a))
+        assert entry.check_verbose() == "contents"
+    else:
+        actions.append(gc.collect)
+        assert entry.check_verbose() is None
+    del entry
+    gc.collect()

@@ -288,7 +288,7 @@ class GetattributeSlots:
         return object.__getattribute__(self, name)
 
 
-SLOTTED = GetattributeSlots()
+GETATTRIBUTE_SLOTTED = GetattributeSlots()
 
 
 class ReadsSlots(nn.Module):
@@ -297,7 +297,7 @@ class ReadsSlots(nn.Module):
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x):
-        return self.proj(x) * SLOTTED.k
+        return self.proj(x) * GETATTRIBUTE_SLOTTED.k
 
 
 def test_slots_guard_runs_no_python_on_a_hit_and_sees_a_raw_write():
@@ -320,12 +320,12 @@ def test_slots_guard_runs_no_python_on_a_hit_and_sees_a_raw_write():
             sys.setprofile(None)
         assert nnscaler.cache_info(compiled).hits == hits + 1
         assert "__getattribute__" not in called     # the hit's guards ran no Python
-        object.__setattr__(SLOTTED, "k", 3.0)     # past __getattribute__ and __setattr__
+        object.__setattr__(GETATTRIBUTE_SLOTTED, "k", 3.0)     # past __getattribute__ and __setattr__
         torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
-        object.__setattr__(SLOTTED, "k", 1.0)
+        object.__setattr__(GETATTRIBUTE_SLOTTED, "k", 1.0)
         torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
     finally:
-        object.__setattr__(SLOTTED, "k", 1.0)
+        object.__setattr__(GETATTRIBUTE_SLOTTED, "k", 1.0)
 
 
 class ComputedNames(nn.Module):
