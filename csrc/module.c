@@ -293,6 +293,14 @@ static PyMethodDef module_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "describe_call_key(key, names=None) -> tuple of str: a CallKey or a stored CacheEntry's\n"
      "key in words, decoded from the bytes the hit path compares (no Python runs)."},
+    {"call_key_layout", cache_call_key_layout, METH_O,
+     "call_key_layout(key) -> tuple: per argument value, (\"tensor\", sizes offset, ndim),\n"
+     "(\"int\", offset) or (\"other\", offset) in the key's bytes."},
+    {"call_key_bytes", cache_call_key_bytes, METH_O,
+     "call_key_bytes(key) -> bytes: what a hit compares (a CallKey or stored CacheEntry)."},
+    {"shape_guards_match", cache_shape_guards_match, METH_VARARGS,
+     "shape_guards_match(stored, key, wild, code) -> bool: a shape-guard program on two\n"
+     "keys' bytes (tests)."},
     {"dict_clock", py_dict_clock, METH_NOARGS,
      "A number that moves when any dict a guard watches changes (3.12+; 0 on 3.11)."},
     {"record_functions_start", frame_record_start, METH_NOARGS,
@@ -364,6 +372,20 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "VG_BYTES", VG_BYTES) < 0 ||
         PyModule_AddIntConstant(module, "VG_SLOTS", VG_SLOTS) < 0) {
         return -1;
+    }
+    /* The shape-guard opcodes (guards/shape_guards.h), for capture/dynamic.py. */
+    struct { const char *name; int op; } sg_ops[] = {
+        {"SG_LOAD", SG_LOAD}, {"SG_CONST", SG_CONST}, {"SG_ADD", SG_ADD},
+        {"SG_SUB", SG_SUB}, {"SG_MUL", SG_MUL}, {"SG_FLOORDIV", SG_FLOORDIV},
+        {"SG_MOD", SG_MOD}, {"SG_POW", SG_POW}, {"SG_NEG", SG_NEG}, {"SG_MAX", SG_MAX},
+        {"SG_MIN", SG_MIN}, {"SG_EQ", SG_EQ}, {"SG_NE", SG_NE}, {"SG_LT", SG_LT},
+        {"SG_LE", SG_LE}, {"SG_GT", SG_GT}, {"SG_GE", SG_GE}, {"SG_AND", SG_AND},
+        {"SG_OR", SG_OR}, {"SG_NOT", SG_NOT}, {"SG_CHECK", SG_CHECK},
+    };
+    for (size_t i = 0; i < sizeof(sg_ops) / sizeof(sg_ops[0]); i++) {
+        if (PyModule_AddIntConstant(module, sg_ops[i].name, sg_ops[i].op) < 0) {
+            return -1;
+        }
     }
     struct { PyObject **slot; const char *s; } names[] = {
         {&guard_env.str_training, "training"},

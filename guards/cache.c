@@ -55,6 +55,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->unclocked);
     PyMem_Free(self->owners);
     PyMem_Free(self->key);
+    shape_guards_free(self->shapes);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -431,8 +432,131 @@ cache_describe_call_key(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     return result;
 }
 
+/* set_shape_guards(wild, code, key_len): before the entry is stored. */
+static PyObject *
+entry_set_shape_guards(CacheEntry *self, PyObject *args)
+{
+    PyObject *wild, *code;
+    Py_ssize_t key_len;
+    if (!PyArg_ParseTuple(args, "OOn:set_shape_guards", &wild, &code, &key_len)) {
+        return NULL;
+    }
+    if (self->key != NULL || self->shapes != NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "set_shape_guards: the entry is stored, or has shape guards already");
+        return NULL;
+    }
+    if (key_len < 0) {
+        PyErr_SetString(PyExc_ValueError, "set_shape_guards: negative key length");
+        return NULL;
+    }
+    self->shapes = shape_guards_new(wild, code, (size_t)key_len);
+    if (self->shapes == NULL) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+int64_tuple(const int64_t *v, Py_ssize_t n)
+{
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromLongLong((long long)v[i]);
+        if (x == NULL) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, x);
+    }
+    return t;
+}
+
+static PyObject *
+entry_get_shape_guards(CacheEntry *self, void *Py_UNUSED(closure))
+{
+    if (self->shapes == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *wild = int64_tuple(self->shapes->wild, self->shapes->n_wild);
+    PyObject *code = int64_tuple(self->shapes->code, self->shapes->n_code);
+    PyObject *r = (wild && code) ? PyTuple_Pack(2, wild, code) : NULL;
+    Py_XDECREF(wild);
+    Py_XDECREF(code);
+    return r;
+}
+
+static int
+key_bytes_of(PyObject *key, const unsigned char **data, size_t *len, const char *usage)
+{
+    if (PyObject_TypeCheck(key, &CacheEntry_Type)) {
+        CacheEntry *e = (CacheEntry *)key;
+        if (e->key == NULL) {
+            PyErr_Format(PyExc_ValueError, "%s: the entry is not stored yet", usage);
+            return -1;
+        }
+        *data = e->key;
+        *len = e->key_len;
+        return 0;
+    }
+    if (PyObject_TypeCheck(key, &CallKey_Type)) {
+        CallKey *k = &((CallKeyObject *)key)->key;
+        *data = k->data;
+        *len = k->len;
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "%s: key must be a CallKey or a CacheEntry, not %.100s",
+                 usage, Py_TYPE(key)->tp_name);
+    return -1;
+}
+
+PyObject *
+cache_call_key_layout(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    const unsigned char *data;
+    size_t len;
+    if (key_bytes_of(key, &data, &len, "call_key_layout") < 0) {
+        return NULL;
+    }
+    return call_key_layout(data, len);
+}
+
+PyObject *
+cache_call_key_bytes(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    const unsigned char *data;
+    size_t len;
+    if (key_bytes_of(key, &data, &len, "call_key_bytes") < 0) {
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)data, (Py_ssize_t)len);
+}
+
+PyObject *
+cache_shape_guards_match(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Py_buffer stored, key;
+    PyObject *wild, *code;
+    if (!PyArg_ParseTuple(args, "y*y*OO:shape_guards_match", &stored, &key, &wild, &code)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    ShapeGuards *g = shape_guards_new(wild, code, (size_t)stored.len);
+    if (g != NULL) {
+        result = PyBool_FromLong(shape_guards_match(g, stored.buf, key.buf, (size_t)key.len));
+        shape_guards_free(g);
+    }
+    PyBuffer_Release(&stored);
+    PyBuffer_Release(&key);
+    return result;
+}
+
 static PyMethodDef entry_methods[] = {
     {"check_verbose", (PyCFunction)entry_check_verbose, METH_NOARGS, check_verbose_doc},
+    {"set_shape_guards", (PyCFunction)entry_set_shape_guards, METH_VARARGS,
+     "set_shape_guards(wild, code, key_len): make this (not yet stored) entry dynamic:\n"
+     "keys match it when equal outside the 8-byte fields at offsets `wild` and the\n"
+     "program `code` holds on them (shape_guards.h)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -449,6 +573,8 @@ static PyGetSetDef entry_getset[] = {
     {"runner", (getter)entry_get_runner, NULL, "the callable run on a hit, or None", NULL},
     {"key_hash", (getter)entry_get_key_hash, NULL, "XXH3 hash of the call key", NULL},
     {"n_state_guards", (getter)entry_get_n_guards, NULL, "number of state guards", NULL},
+    {"shape_guards", (getter)entry_get_shape_guards, NULL,
+     "(wild, code) of a dynamic entry, or None", NULL},
     {"key_description", (getter)entry_get_key_description, NULL,
      "the stored call key in words (describe_call_key(entry))", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -661,8 +787,11 @@ error:
 static inline int
 key_equal(const CacheEntry *e, const CallKey *key)
 {
-    return e->key_hash == key->hash && e->key_len == key->len &&
-           memcmp(e->key, key->data, key->len) == 0;
+    if (e->key_hash == key->hash && e->key_len == key->len &&
+        memcmp(e->key, key->data, key->len) == 0) {
+        return 1;
+    }
+    return e->shapes != NULL && shape_guards_match(e->shapes, e->key, key->data, key->len);
 }
 
 /* Index of `entry` in `entries`, or -1 (a guard check ran Python that changed the
@@ -833,6 +962,11 @@ cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key)
     }
     if (entry->key != NULL) {
         PyErr_SetString(PyExc_ValueError, "nnscaler: a CacheEntry can be stored only once");
+        return -1;
+    }
+    if (entry->shapes != NULL && entry->shapes->key_len != key->len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "nnscaler: a dynamic entry's shape guards were made for another key");
         return -1;
     }
     unsigned char *data = PyMem_Malloc(key->len ? key->len : 1);

@@ -21,6 +21,7 @@
 #include "compat_objects.h"
 #include "call_key.h"
 #include "value_guards.h"
+#include "shape_guards.h"
 
 /* An owner-reached VG_DICT (values[index]) laid out for the hit path while the dict
  * clock has not moved: what the clock cannot vouch for, in a few loads (the owner is
@@ -56,6 +57,9 @@ typedef struct {
     unsigned char *key;        /* PyMem block, the stored call key */
     size_t key_len;
     uint64_t key_hash;
+    ShapeGuards *shapes;       /* PyMem or NULL: a dynamic entry's symbolic fields and
+                                  their guards (shape_guards.h); then a key matches
+                                  when equal outside them and the guards hold */
     PyObject *pins;            /* owned list or NULL: objects keyed by identity, held by
                                   weakref where possible (a dead one: entry stale) */
     Py_ssize_t hits;
@@ -118,6 +122,13 @@ CacheEntry *cache_lookup(CacheBucket *bucket, CallKey *key);
  * dead bucket (reset() during the capture) stores nothing.  0 / -1.  May run Python:
  * allocating the stored key and growing the entry list can start the GC. */
 int cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key);
+
+/* call_key_layout(key) (call_key_layout), call_key_bytes(key) -> bytes,
+ * shape_guards_match(stored, key, wild, code) -> bool: `key` a CallKey or a stored
+ * CacheEntry; the last runs a shape-guard program on two byte strings (tests). */
+PyObject *cache_call_key_layout(PyObject *module, PyObject *key);
+PyObject *cache_call_key_bytes(PyObject *module, PyObject *key);
+PyObject *cache_shape_guards_match(PyObject *module, PyObject *args);
 
 /* describe_call_key(key, names=None): see call_key_describe; `key` a CallKey or a
  * stored CacheEntry. */

@@ -1275,6 +1275,61 @@ done:
     return result;
 }
 
+/* The fields a dynamic entry may make symbolic, per top-level value (see
+ * call_key.h).  Describing mode without pins: nothing is held or dereferenced. */
+PyObject *
+call_key_layout(const unsigned char *data, size_t len)
+{
+    Reader r;
+    memset(&r, 0, sizeof(r));
+    r.p = data;
+    r.end = data + len;
+    r.describing = 1;
+    PyObject *items = PyList_New(0);   /* owned */
+    PyObject *result = NULL;
+    if (items == NULL) {
+        return NULL;
+    }
+    rd_grad(&r);
+    while (r.p < r.end && !r.malformed && !r.no_memory) {
+        const unsigned char *start = r.p;
+        unsigned char tag = *start;
+        PyObject *item = NULL;
+        if (tag == TAG_TENSOR_META) {
+            const size_t head = offsetof(NnsTensorMeta, sizes);
+            NnsTensorMeta meta;
+            if ((size_t)(r.end - start) < 1 + sizeof(void *) + head) {
+                r.malformed = 1;
+                break;
+            }
+            memcpy(&meta, start + 1 + sizeof(void *), head);
+            item = Py_BuildValue("(snn)", "tensor",
+                                 (Py_ssize_t)(start - data) + 1 + (Py_ssize_t)(sizeof(void *) + head),
+                                 (Py_ssize_t)meta.ndim);
+        }
+        else if (tag == TAG_INT) {
+            item = Py_BuildValue("(sn)", "int", (Py_ssize_t)(start - data) + 1);
+        }
+        else {
+            item = Py_BuildValue("(sn)", "other", (Py_ssize_t)(start - data));
+        }
+        if (item == NULL || PyList_Append(items, item) < 0) {
+            Py_XDECREF(item);
+            goto done;
+        }
+        Py_DECREF(item);
+        r.out.len = 0;
+        rd_value(&r, 0);
+    }
+    if (reader_error(&r) == 0) {
+        result = PyList_AsTuple(items);
+    }
+done:
+    Py_DECREF(items);
+    reader_free(&r);
+    return result;
+}
+
 /* ------------------------------------------------------- the CallKey object */
 
 static int

@@ -73,6 +73,13 @@ int call_key_pin_from_bytes(CallKey *key);
 PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pins,
                             PyObject *names);
 
+/* Where the fields a dynamic entry may make symbolic lie (shape_guards.h): a tuple
+ * with one item per argument value, ("tensor", offset of its sizes, ndim) for a
+ * tensor read in C++ (its strides follow its sizes), ("int", offset) for an int,
+ * ("other", offset of its record) for anything else.  Runs no Python; NULL with
+ * an exception set (a malformed key). */
+PyObject *call_key_layout(const unsigned char *data, size_t len);
+
 /* nnscaler_eval._C.CallKey: the key of one miss, made by the miss path (dispatch.c)
  * and handed to convert_frame, which describes it; then stored with the entry.
  * CallKey(*values) from Python builds the key of those values (tests, tools). */

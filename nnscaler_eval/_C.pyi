@@ -13,6 +13,28 @@ VG_CALL: int
 VG_TENSORS: int
 VG_BYTES: int
 VG_SLOTS: int
+# shape-guard opcodes (guards/shape_guards.h)
+SG_LOAD: int
+SG_CONST: int
+SG_ADD: int
+SG_SUB: int
+SG_MUL: int
+SG_FLOORDIV: int
+SG_MOD: int
+SG_POW: int
+SG_NEG: int
+SG_MAX: int
+SG_MIN: int
+SG_EQ: int
+SG_NE: int
+SG_LT: int
+SG_LE: int
+SG_GT: int
+SG_GE: int
+SG_AND: int
+SG_OR: int
+SG_NOT: int
+SG_CHECK: int
 
 class ArmToken: ...
 
@@ -30,6 +52,9 @@ class CacheEntry:
                  guard_names: Sequence[str], info: Any,
                  value_guards: Sequence[tuple[Any, ...]] = ()) -> None: ...
     def check_verbose(self) -> Optional[str]: ...
+    # a dynamic entry's (symbolic field offsets, shape-guard program), or None
+    shape_guards: Optional[tuple[tuple[int, ...], tuple[int, ...]]]
+    def set_shape_guards(self, wild: Sequence[int], code: Sequence[int], key_len: int) -> None: ...
 
 class CacheTable:
     """The cache buckets of one code object and capture config (internal)."""
@@ -91,5 +116,9 @@ def call_with_mode_replaced(mode: Any, stand_in: Any, fn: Callable[..., Any], /,
                             **kwargs: Any) -> Any: ...
 def call_holding(lock: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any: ...
 def _stack_room() -> tuple[int, int]: ...
+def call_key_layout(key: CallKey | CacheEntry) -> tuple[tuple[Any, ...], ...]: ...
+def call_key_bytes(key: CallKey | CacheEntry) -> bytes: ...
+def shape_guards_match(stored: bytes, key: bytes, wild: Sequence[int],
+                       code: Sequence[int]) -> bool: ...
 def describe_call_key(key: CallKey | CacheEntry,
                       names: Optional[Sequence[str]] = ...) -> tuple[str, ...]: ...

@@ -1,0 +1,57 @@
+/* shape_guards.h - what a dynamic entry checks of its call key: symbolic sizes.
+ *
+ * An entry captured with some tensor dimensions (or int arguments) symbolic matches
+ * any key that equals its stored key everywhere but in those slots: the 8-byte
+ * fields of the key that hold a symbolic size, a stride of a tensor with a symbolic
+ * size, or an int argument made symbolic (`wild`).  What the graph assumed of them
+ * is a small program over those fields, run on the new key: each CHECK pops a value
+ * that must be nonzero (a range, an equality between dimensions, a divisibility, a
+ * stride as an expression of sizes, a decision Python took on a size).
+ *
+ * The program is stack code on int64 (Python's semantics for // and %); it is
+ * validated once when it is set (opcodes, slot offsets, stack depth), so the hit
+ * path runs it without checks beyond arithmetic: an overflow or a division by zero
+ * fails the match (the call recaptures), never a wrong answer.  Runs no Python.
+ */
+#ifndef NNSCALER_SHAPE_GUARDS_H
+#define NNSCALER_SHAPE_GUARDS_H
+
+#include "compat_objects.h"
+#include <stdint.h>
+
+/* Opcodes; each is one int64 of the program, LOAD and CONST take one operand. */
+enum {
+    SG_LOAD = 1,    /* push the int64 at key offset <operand> */
+    SG_CONST,       /* push <operand> */
+    SG_ADD, SG_SUB, SG_MUL, SG_FLOORDIV, SG_MOD, SG_POW, SG_NEG,
+    SG_MAX, SG_MIN,
+    SG_EQ, SG_NE, SG_LT, SG_LE, SG_GT, SG_GE,
+    SG_AND, SG_OR, SG_NOT,
+    SG_CHECK,       /* pop; zero: the key does not match */
+    SG_N_OPS
+};
+
+#define SHAPE_GUARDS_MAX_STACK 64
+
+typedef struct {
+    Py_ssize_t n_wild;
+    int64_t *wild;            /* sorted key offsets of the 8-byte symbolic fields */
+    Py_ssize_t n_code;
+    int64_t *code;            /* the validated program */
+    size_t key_len;           /* the length every matching key has */
+} ShapeGuards;
+
+/* Validated guards from `wild` (a sequence of int offsets) and `code` (a sequence of
+ * int), for keys of `key_len` bytes.  NULL with ValueError naming what is wrong. */
+ShapeGuards *shape_guards_new(PyObject *wild, PyObject *code, size_t key_len);
+void shape_guards_free(ShapeGuards *guards);
+
+/* 1 when `key` (len bytes) equals `stored` outside the symbolic fields and the
+ * program holds on it, else 0.  Runs no Python, never raises. */
+int shape_guards_match(const ShapeGuards *guards, const unsigned char *stored,
+                       const unsigned char *key, size_t len);
+
+/* The program's verdict on a key alone (tests): 1, 0.  Never raises. */
+int shape_guards_run(const ShapeGuards *guards, const unsigned char *key);
+
+#endif
