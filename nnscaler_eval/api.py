@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from nnscaler_eval import eval_frame
 from nnscaler_eval.compile_api import compile
+from nnscaler_eval.capture.dynamic import mark_dynamic, mark_static
 from nnscaler_eval.tools.explain import CacheInfo, ExplainReport, cache_info, explain, reset
 from nnscaler_eval.export import ExportError, export
 from nnscaler_eval.parallelize import export_for_nnscaler
@@ -24,6 +25,8 @@ from nnscaler_eval.runtime import ifexpr
 
 __all__ = [
     "compile",
+    "mark_dynamic",
+    "mark_static",
     "cache_info",
     "CacheInfo",
     "explain",

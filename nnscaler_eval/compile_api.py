@@ -18,6 +18,7 @@ def compile(
     fullgraph: bool = False,
     skip_nnmodule_hook_guards: bool = False,
     cache_size_limit: int = 8,
+    dynamic: Optional[bool] = None,
 ) -> Any:
     """Compile an `nn.Module` instance (in place; returns the same object), an
     `nn.Module` subclass (every instance is compiled) or a plain function (returns a
@@ -25,9 +26,15 @@ def compile(
 
     Each `forward` is captured into a torch.fx graph on its first call with a new
     input signature, guarded, cached per code object and run by `backend` afterwards.
+
+    `dynamic`: None (default) captures sizes and int arguments as they are, and makes
+    the ones seen changing symbolic at the next capture (one graph then serves every
+    value its guards allow); True makes every dimension of the tensor arguments and
+    every int argument symbolic from the first capture; False specialises every
+    capture on exact sizes and values.
     """
     config = CompileConfig.create(backend, fullgraph, skip_nnmodule_hook_guards,
-                                  cache_size_limit)
+                                  cache_size_limit, dynamic)
     if obj is None:
         return functools.partial(_compile_with, config=config)
     return _compile_with(obj, config=config)

@@ -15,6 +15,10 @@ class CompileConfig:
     fullgraph: bool = False
     skip_nnmodule_hook_guards: bool = False
     cache_size_limit: int = 8
+    # Symbolic sizes and int arguments (capture/dynamic.py): None automatic (a size or
+    # int seen changing becomes symbolic at the recapture), True symbolic from the
+    # first capture, False every capture specialised.
+    dynamic: Optional[bool] = None
     # None for the built-in "eager" backend (the graph as generated Python).
     backend_fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     backend_name: str = "eager"
@@ -34,12 +38,13 @@ class CompileConfig:
         fullgraph: bool = False,
         skip_nnmodule_hook_guards: bool = False,
         cache_size_limit: int = 8,
+        dynamic: Optional[bool] = None,
         **unknown: Any,
     ) -> "CompileConfig":
         if unknown:
             raise TypeError(
                 f"nnscaler.compile(): unknown option(s) {', '.join(sorted(unknown))}; "
-                "known: backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit"
+                "known: backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit, dynamic"
             )
         for name, value in (("fullgraph", fullgraph),
                             ("skip_nnmodule_hook_guards", skip_nnmodule_hook_guards)):
@@ -50,9 +55,12 @@ class CompileConfig:
             raise ValueError(
                 f"nnscaler.compile(): cache_size_limit must be an int >= 1, not {cache_size_limit!r}"
             )
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise TypeError(
+                f"nnscaler.compile(): dynamic must be None, True or False, not {dynamic!r}")
         backend_fn, backend_name = resolve_backend(backend)
         return cls(backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit,
-                   backend_fn, backend_name)
+                   dynamic=dynamic, backend_fn=backend_fn, backend_name=backend_name)
 
     @classmethod
     def for_region(cls, backend: Any, **options: Any) -> "CompileConfig":
@@ -70,7 +78,8 @@ class CompileConfig:
         if config is None:
             checked = cls.create(backend=backend, **options)
             key = (_backend_key(backend), checked.fullgraph,
-                   checked.skip_nnmodule_hook_guards, checked.cache_size_limit)
+                   checked.skip_nnmodule_hook_guards, checked.cache_size_limit,
+                   checked.dynamic)
             config = _REGION_CONFIGS.get(key)
             if config is None:
                 config = dataclasses.replace(checked, region=True)
@@ -87,7 +96,8 @@ class CompileConfig:
 
     def __reduce__(self) -> Any:
         return (CompileConfig.create, (self.backend, self.fullgraph,
-                                       self.skip_nnmodule_hook_guards, self.cache_size_limit))
+                                       self.skip_nnmodule_hook_guards, self.cache_size_limit,
+                                       self.dynamic))
 
 
 class RegionCaches(list):

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs
+from nnscaler_eval.capture import dynamic
 from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
@@ -55,6 +56,10 @@ class EntryInfo:
     global_state: Any = field(default=None, repr=False)    # torch GlobalStateGuard
     # plain values the runner writes to modules after the graph: (path, name, value)
     state_writes: tuple = ()
+    # a dynamic entry's symbols ("x.size(1) (s0) in [2, int_oo]") and shape guards
+    symbols: list = field(default_factory=list)
+    shape_guards: list = field(default_factory=list)
+    symbolic_ok: bool = False   # the capture could be made again on fake inputs
 
     @property
     def graph_code(self) -> str:
@@ -283,17 +288,77 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
         _make_entry(config, skipped, code, self, key, where)   # logs and explain() see it
         _add_eager_types(bucket, {at_fault}, str(fallback))
         return RUN_EAGERLY, None
+    fields = dynamic.plan(config, bucket, call_key, slots[first:])
+    if fields is not None:
+        reply = _capture_symbolic(config, fn, code, self, slots, slot_names, bucket, key,
+                                  call_key, where, caller_depth, fields)
+        if reply is not None:
+            return reply
+    return _capture(config, fn, code, self, slots, slot_names, bucket, key, where,
+                    caller_depth)
+
+
+def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+                      slots: tuple, slot_names: tuple, bucket: Any, key: list[str],
+                      call_key: Any, where: str, caller_depth: int,
+                      fields: frozenset) -> Any:
+    """A dynamic capture (capture/dynamic.py) of this call, cached, and the call's
+    result from its runner; or None when the forward cannot be captured
+    symbolically (the caller captures it statically, and the bucket's later misses
+    too)."""
+    first = 1 if self is not None else 0
+    try:
+        symbolic = dynamic.SymbolicInputs(fields, call_key, slots[first:], slot_names[first:])
+        if not symbolic.bindings:
+            return None   # every chosen size is 0 or 1 in this call: a static capture
+        logs.recaptures.info("%s: capturing with %s symbolic", where,
+                             ", ".join(symbolic.origins.values()))
+        reply = _capture(config, fn, code, self, slots, slot_names, bucket, key, where,
+                         caller_depth, symbolic)
+        fixed = symbolic.specialised()
+        if len(fixed) == len(symbolic.bindings):
+            # Every symbol was fixed to its value: symbolic captures of this forward
+            # would only cost more. This one stands; later ones are static.
+            dynamic.failed(bucket)
+            logs.recaptures.info("%s: sizes stay static (specialised: %s)", where,
+                                 "; ".join(fixed))
+        return reply
+    except dynamic.Unsupported as exc:
+        reason = str(exc)
+    except (Warning, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:   # fake tensors refused an op, a data-dependent size...
+        reason = f"{type(exc).__name__}: {exc}"
+    dynamic.failed(bucket)
+    logs.recaptures.info("%s: sizes stay static (dynamic capture failed: %s)", where, reason)
+    return None
+
+
+def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: tuple,
+             slot_names: tuple, bucket: Any, key: list[str], where: str,
+             caller_depth: int, symbolic: Any = None) -> Any:
+    """Trace the call, guard and cache the capture; the reply to C.  With `symbolic`
+    the trace runs on its fake arguments, and any failure raises
+    `dynamic.Unsupported` before anything is cached or returned."""
+    from nnscaler_eval import capture as tracer
+
+    first = 1 if self is not None else 0
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
     mutable = state_guards.argument_snapshot(arguments)
     reachable = state_guards.argument_snapshot(state_guards.forward_namespace_values(fn))
     rng = state_guards.python_rng_state()
     traced_slots = _state_aliases_apart(slots, first, self)
+    if symbolic is not None:
+        traced_slots = traced_slots[:first] + tuple(
+            fake if fake is not real else traced
+            for fake, real, traced in zip(symbolic.values, slots[first:], traced_slots[first:]))
     recorder = state_guards.CodeRecorder()
     with recorder, compile_safe_paths():
         capture = tracer.capture(fn, traced_slots, slot_names, root=self,
-                                 fullgraph=config.fullgraph,
-                                 call=slot_call(fn, code, traced_slots, caller_depth))
+                                 fullgraph=config.fullgraph and symbolic is None,
+                                 call=slot_call(fn, code, traced_slots, caller_depth),
+                                 symbolic=symbolic)
     # The state walk serves value guards, which only entries with a graph get.
     # Guards describe the state a call starts from: attributes the forward wrote
     # (replayed by the runner) are read as they were before it.
@@ -303,7 +368,11 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                      if capture.fallback is None else state_guards.StateGuardSet())
         unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
     except Exception as exc:
+        if symbolic is not None:
+            raise dynamic.Unsupported(f"guarding failed: {exc!r}") from exc
         return _uncached(config, capture, f"guarding the capture of {where}", exc)
+    if symbolic is not None and (unsound is not None or capture.fallback is not None):
+        raise dynamic.Unsupported(unsound or str(capture.fallback))
     if unsound is not None and unsound.startswith(_SIDE_EFFECT_ON_ARGUMENT):
         at_fault = _mutated_types_of(mutable, arguments)
         _remember_mutated_types(code, at_fault)
@@ -338,15 +407,25 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
 
     try:
         with capture.state_before_writes():
-            entry = _make_entry(config, capture, code, self, key, where, reads)
+            entry = _make_entry(config, capture, code, self, key, where, reads, symbolic)
     except Exception as exc:
+        if symbolic is not None:
+            raise dynamic.Unsupported(f"caching failed: {exc!r}") from exc
         return _uncached(config, capture, f"caching the capture of {where}", exc)
     unchanged = getattr(capture, "state_unchanged", None)
     if unchanged is not None and not unchanged():
         # Another thread changed hooks or the module tree during this capture: the
         # entry's guard versions were taken after the change. Not cached.
+        if symbolic is not None:
+            raise dynamic.Unsupported("the module tree changed during the capture")
         return capture.result, None
-    return trace_state.in_flight_reply(bucket, capture.result, entry)
+    result = capture.result
+    if symbolic is not None:
+        # The trace ran on fakes: the call's result is the runner's, on the real
+        # arguments (their side effects, BatchNorm statistics say, happen here, once).
+        flags = [module.training for module in capture.training_inputs]
+        result = entry.runner(*slots, *flags)
+    return trace_state.in_flight_reply(bucket, result, entry)
 
 
 def _uncached(config: Any, capture: Any, what: str, exc: Exception) -> tuple[Any, Any]:
@@ -495,7 +574,8 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
 
 
 def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
-                where: str, reads: Optional[ReadContext] = None) -> Any:
+                where: str, reads: Optional[ReadContext] = None,
+                symbolic: Any = None) -> Any:
     if capture.graph_module is not None:
         release_source_with(capture.graph_module)
     folded_flags: list[tuple[Any, bool]] = []
@@ -521,8 +601,19 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                      config.backend_name, runner, guards.not_guarded,
                      reads.global_state[0] if reads is not None else None,
                      capture.runner_spec.state_writes if capture.runner_spec is not None else ())
+    if symbolic is not None:
+        wild, program, words = symbolic.guard_program()
+        info.symbols = symbolic.symbols_in_words()
+        info.shape_guards = words
+    # A capture that ran nothing for real and replays no write can be made again on
+    # fake inputs (automatic dynamic, capture/dynamic.py).
+    info.symbolic_ok = runner is not None and not capture.runner_spec.state_writes and all(
+        node.op != "call_module" and not node.meta.get("nnscaler_opaque")
+        for node in capture.graph_module.graph.nodes)
     entry = _C.CacheEntry(runner, capture.training_inputs, guards.flags,
                           guards.names, info, guards.values)
+    if symbolic is not None:
+        entry.set_shape_guards(wild, program, symbolic.key_len)
     collector = getattr(_local, "collector", None)
     if collector is not None:
         collector.entries.append(info)

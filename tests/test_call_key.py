@@ -389,7 +389,8 @@ class Sneaky(nn.Module):
 
 
 def test_a_guard_check_that_changes_the_arguments_gets_a_fresh_key():
-    eager, model = Sneaky(), nnscaler.compile(Sneaky())
+    # dynamic=False: one entry per shape, whose keys are what this test reads
+    eager, model = Sneaky(), nnscaler.compile(Sneaky(), dynamic=False)
     for m in (eager, model):
         m(torch.ones(2, 3))              # captured in training mode
         m.eval()

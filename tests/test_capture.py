@@ -232,7 +232,7 @@ def test_shape_dtype_requires_grad_changes():
 
 def test_cache_size_limit_four_with_ten_shapes():
     eager, model = pair(MLP())
-    model = nnscaler.compile(model, cache_size_limit=4)
+    model = nnscaler.compile(model, cache_size_limit=4, dynamic=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 11):

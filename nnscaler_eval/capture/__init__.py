@@ -45,6 +45,8 @@ The parts, one concern a module; the Tracer composes the others, none imports it
 - training.py      training flags and module state: flags per module, branches taken,
                    state snapshots, numbers computed from flags
 - cond.py          torch.cond: both branches traced on fake tensors into subgraphs
+- dynamic.py       symbolic sizes and ints: which, the fake arguments, expressions
+                   as nodes, the shape-guard program
 - global_state.py  grad mode and autocast, synced into the graph before each node
 - output.py        output assembly: the output layout and the finished Capture
 - inputs.py        which arguments can be graph inputs (`input_fallback`)

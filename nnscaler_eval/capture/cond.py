@@ -170,7 +170,11 @@ def trace_cond(
     run happen: the taken branch's graph on the real values, once.
     """
     tracked_pred = isinstance(pred, TrainingFlag) and pred.tracer is tracer
-    if tracer.recording and not (isinstance(pred, torch.Tensor) or tracked_pred):
+    # A predicate on a symbolic size (a dynamic capture): one node too, its
+    # predicate computed from the inputs' sizes on every hit, as torch.export has it.
+    symbolic_pred = isinstance(pred, torch.SymBool) and tracer.symbolic is not None
+    if tracer.recording and not (isinstance(pred, torch.Tensor) or tracked_pred
+                                 or symbolic_pred):
         return true_fn(*operands) if plain_value(pred) else false_fn(*operands)
     if tracer.recording:
         try:
@@ -246,7 +250,7 @@ def _record_cond(
         {},
     )
 
-    if tracer.branch is None:
+    if tracer.branch is None and tracer.symbolic is None:
         # The real run: the taken branch's graph on the real values, once.
         if isinstance(pred, torch.Tensor):
             with torch._C.DisableTorchFunction():
@@ -259,7 +263,9 @@ def _record_cond(
                 if id(value) in tracer.nodes.tensor_nodes:  # an input passed through
                     flat[i] = value.view_as(value)
     else:
-        # Nested in a branch being traced: stand-ins with the outputs' metadata.
+        # Nested in a branch being traced, or a dynamic capture (nothing runs for
+        # real, and choosing a branch would specialise its predicate): stand-ins with
+        # the outputs' metadata.
         with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
             stack.enter_context(fake_mode)
             flat = [_fresh_fake(meta) for meta in true_trace.out_meta]

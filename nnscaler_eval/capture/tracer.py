@@ -28,6 +28,7 @@ from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, output
+from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
@@ -64,14 +65,20 @@ def capture(
     root: Optional[nn.Module],
     fullgraph: bool = False,
     call: Optional[Callable[[], Any]] = None,
+    symbolic: Optional[symbolic_shapes.SymbolicInputs] = None,
 ) -> Capture:
     """Run `fn` once for real on `slots`, recording it; see the package docstring.
 
     `call` runs fn with the slots correctly rebound (needed when the code has `*args` /
     `**kwargs`); without it, `fn(*slots)`. An exception raised by the forward
     propagates unchanged, after every patch and `training` attribute is restored.
+
+    With `symbolic` (capture/dynamic.py) the slots hold its fake arguments and the run
+    is on fakes: sizes become expressions in the graph, and anything the trace cannot
+    follow symbolically raises `dynamic.Unsupported` at once (nothing runs for real).
     """
-    tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph)
+    tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph,
+                    symbolic=symbolic)
     return tracer.run(call if call is not None else (lambda: fn(*slots)))
 
 
@@ -103,8 +110,10 @@ class Tracer(TorchFunctionMode):
         *,
         root: Optional[nn.Module],
         fullgraph: bool,
+        symbolic: Optional[symbolic_shapes.SymbolicInputs] = None,
     ) -> None:
         super().__init__()
+        self.symbolic = symbolic
         if len(slots) != len(slot_names):
             raise ValueError(f"{len(slots)} slots but {len(slot_names)} slot names")
         self.fn = fn
@@ -117,7 +126,7 @@ class Tracer(TorchFunctionMode):
         self.fallback: Optional[Fallback] = None
         # Inside a torch.cond branch: its frame, and the fake mode its values live in.
         self.branch: Optional[torch_cond.BranchFrame] = None
-        self.fake_mode: Optional[FakeTensorMode] = None
+        self.fake_mode: Optional[FakeTensorMode] = symbolic.fake_mode if symbolic else None
         self.branch_names = itertools.count()
         self._suspended = 0
 
@@ -142,6 +151,11 @@ class Tracer(TorchFunctionMode):
         if self.fallback is not None:
             return
         filename, lineno = location if location is not None else user_location()
+        if self.symbolic is not None:
+            # A dynamic capture is complete or not used: stop before anything more
+            # runs on fakes (convert_frame captures the call statically instead).
+            self.fallback = Fallback(reason, filename, lineno)
+            raise symbolic_shapes.Unsupported(f"{reason} ({filename}:{lineno})")
         if self.branch is not None:
             # Stop tracing the branch now (it runs on fake tensors; nothing is lost):
             # trace_cond turns this into the frame's fallback, or its parent branch's.
@@ -199,7 +213,9 @@ class Tracer(TorchFunctionMode):
             # already, and a plain pop would then fail or pop somebody else's.
             torch._C._push_on_torch_function_stack(self)
             try:
-                result = call()
+                with (self.symbolic.active() if self.symbolic is not None
+                      else contextlib.nullcontext()):
+                    result = call()
             finally:
                 _pop_modes_to(mode_depth)
             self._check_module_state()
@@ -248,6 +264,14 @@ class Tracer(TorchFunctionMode):
                     self.graph_break(hidden_tensors_reason(slot_name, leaf),
                                      location=self._forward_location())
                     return
+        if self.symbolic is not None:
+            # Symbolic int arguments are graph inputs (after the tensors).
+            first = len(self.slots) - len(self.symbolic.values)
+            for index, symbol in self.symbolic.int_slots.items():
+                node = self.nodes.placeholder(self.slot_names[first + index],
+                                              self.symbolic.hint(symbol))
+                node.meta["nnscaler_input"] = InputPath(first + index, ())
+                self.symbolic.symbol_nodes[symbol] = node
         # Flags for the whole tree, not only for the modules called: a parent may read
         # a child's flag (`if self.block.training:`) without calling it.
         if self.root is not None:
@@ -432,6 +456,8 @@ class Tracer(TorchFunctionMode):
         """Run `fn` for real as ONE graph node (ops registered with `register_op`)."""
         if not self.recording:
             return fn(*args, **kwargs)
+        if self.symbolic is not None:
+            self.graph_break(f"{qualname(fn)} (register_op) runs for real")
         try:
             node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
         except RecordingAborted:
@@ -444,10 +470,12 @@ class Tracer(TorchFunctionMode):
         try:
             if next(tensors_in(result), None) is not None or result is None:
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
+                node.meta["nnscaler_opaque"] = True
                 self.nodes.bind_result(result, node, dynamic=False)
                 return result
             if is_number(result):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
+                node.meta["nnscaler_opaque"] = True
                 number = tracked(result, node, deps, self)
                 number.data_dependent = inputs_have_tensors  # type: ignore[attr-defined]
                 return number
@@ -466,6 +494,9 @@ class Tracer(TorchFunctionMode):
     def _call_opaque_module(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if self.symbolic is not None and self.recording:
+            # It would run for real on fake tensors (its hooks too).
+            self.graph_break(f"a module with hooks ({type(module).__name__}) runs for real")
         call = trace_patches.original_module_call
         path = self.nodes.module_paths.get(id(module))
         if path is None and self.root is not None:
@@ -544,6 +575,13 @@ class Tracer(TorchFunctionMode):
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         if self.branch is not None:
             result = torch_cond.call_in_branch(self, func, args, kwargs)
+        elif self.symbolic is not None:
+            # A dynamic capture: real tensors (parameters, buffers, constants) as
+            # fakes, so that no op touches real data (FakeTensorMode would run an
+            # in-place op on a real buffer for real: `num_batches_tracked.add_(1)`).
+            fake_mode = self.symbolic.fake_mode
+            result = func(*torch_cond.fakeify(quiet_plain(args), fake_mode),
+                          **torch_cond.fakeify(quiet_plain(kwargs), fake_mode))
         else:
             result = func(*quiet_plain(args), **quiet_plain(kwargs))
         try:
@@ -686,6 +724,15 @@ class Tracer(TorchFunctionMode):
                 self.graph_arg(value.stop),
                 self.graph_arg(value.step),
             )
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if self.symbolic is None:
+                self.graph_break("a symbolic size from outside this capture reached the graph")
+                raise RecordingAborted
+            try:
+                return self.symbolic.graph_value(self, value)
+            except symbolic_shapes.Unsupported as exc:
+                self.graph_break(f"dynamic shapes: {exc}")
+                raise RecordingAborted
         if isinstance(value, LITERAL_TYPES):
             return value
         if isinstance(value, nn.Module):
@@ -697,6 +744,22 @@ class Tracer(TorchFunctionMode):
                 raise RecordingAborted
             return self._local(self.nodes.module_node(value), value)
         return self.nodes.constant(value, f"const_{type(value).__name__}_")
+
+    def symbol_node(self, symbolic: Any, symbol: Any) -> fx.Node:
+        """The node of a symbol of a dynamic capture, as a value of the graph being
+        recorded: the int argument's placeholder, or `x.size(d)` of the argument it
+        is a size of, made once at the top of the root graph."""
+        node = symbolic.symbol_nodes.get(symbol)
+        if node is None:
+            index, dim = symbolic.sources[symbol]
+            tensor = symbolic.values[index]
+            placeholder = self.nodes.known(tensor)
+            if placeholder is None:
+                raise symbolic_shapes.Unsupported(f"{symbol} has no input node")
+            with self.root_graph.inserting_after(placeholder):
+                node = self.root_graph.create_node("call_method", "size", (placeholder, dim), {})
+            symbolic.symbol_nodes[symbol] = node
+        return self._local(node, symbolic.hint(symbol))
 
     def sync_global_state(self) -> None:
         """Make the graph's grad mode and autocast state match the run's, before a node

@@ -114,6 +114,10 @@ class ExplainReport:
                 lines.append(entry.graph_code.strip("\n"))
                 lines.append("  guards:")
                 lines += [f"    key  {g}" for g in entry.key]
+                if entry.symbols:
+                    lines.append("  symbolic (the key's sizes and ints below are examples):")
+                    lines += [f"    {s}" for s in entry.symbols]
+                    lines += [f"    shape {g}" for g in entry.shape_guards]
                 lines += [f"    state {g}" for g in entry.guards]
                 if entry.state_writes:
                     lines.append("  state written again on every hit (the forward's writes):")

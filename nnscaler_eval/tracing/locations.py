@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import importlib.util
 import os
 import sys
 
@@ -18,9 +19,22 @@ import torch.fx as fx
 
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX
 
+
+
+def _package_dir(name: str) -> tuple[str, ...]:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    return tuple(os.path.join(path, "") for path in spec.submodule_search_locations)
+
+
 _PACKAGE_DIRS = (
     os.path.join(os.path.dirname(torch.__file__), ""),
     INTERNAL_PREFIX,  # the whole nnscaler_eval directory, not only capture/
+    # torch's symbolic-shape engine: a dynamic capture (capture/dynamic.py) runs it
+    # inside the forward, on symbols only; it reads no user state.
+    *_package_dir("sympy"),
+    *_package_dir("mpmath"),
 )
 _STDLIB_DIR = os.path.join(os.path.dirname(contextlib.__file__), "")
 

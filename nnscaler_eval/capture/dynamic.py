@@ -1,0 +1,582 @@
+"""Symbolic sizes and int arguments: one capture for every value its guards allow.
+
+A dynamic capture runs the forward once on *fake* inputs whose chosen dimensions (and
+chosen int arguments) are symbols of a `ShapeEnv`, instead of once for real:
+
+- what the forward computes from a symbolic size (`L * 2`, `x.view(B, L, -1)`,
+  `arange(L)`, `x[:, :L]`) reaches a torch call as a `SymInt`; the tracer writes it
+  into the graph as an expression of the inputs' sizes (`graph_value`: `x.size(1)`
+  nodes and `operator` nodes), so every hit computes it from the actual inputs;
+- every Python decision on a symbol (`if L > 512`, `min(L, k)`, `L % 8`) and every
+  decision torch's own shape logic takes records a guard in the ShapeEnv; a use that
+  needs a concrete value (`int(L)`, `range(L)`, indexing, `str(L)`, a dict key, a C
+  extension reading it through `__index__`) specialises the symbol to its value,
+  which is a guard too (`specialising_text()` makes text and hashing take that path:
+  SymInt is not an int subclass, so no C code reads it without a dunder);
+- sizes 0 and 1 are never symbols (torch's convention: broadcasting and empty
+  tensors behave differently), and every symbol's range is checked: a symbol made
+  from an 8 holds for 2 and above only;
+- equal sizes are not assumed equal (no duck shaping): an op that needs them equal
+  records `Eq(s0, s1)`;
+- a tensor with a symbolic dimension is made with its strides as expressions of its
+  sizes, in its own dimension order (contiguous, channels_last, a transpose), and
+  each stride is checked against that expression; a tensor that is not dense stays
+  static.
+
+The entry then matches any call key that equals its own outside the symbolic fields
+(the sizes, those tensors' strides, the ints) and on which the guard program holds:
+`guard_program()` compiles ranges, replacements, the ShapeEnv's guards and the stride
+checks into the stack code of guards/shape_guards.h, checked in C on every lookup.
+
+The capture's result is not the call's: C runs the entry's runner on the real
+arguments for that (convert_frame).  Anything the capture cannot follow symbolically
+(an expression of an unknown function, a symbol of no input, a data-dependent size,
+an opaque module or op, a fallback) makes `Unsupported` or a fallback, and
+convert_frame captures the call with static sizes as before.
+
+When sizes become symbolic (`plan`): torch.compile's conventions.  With
+`dynamic=None` a miss whose key equals an entry of the same owner except in some
+tensor sizes or int values makes those symbolic, and they stay symbolic for that
+owner's later captures; `dynamic=True` makes every dimension of the tensor arguments
+and every int argument symbolic from the first capture; `mark_dynamic` /
+`mark_static` (ours or `torch._dynamo`'s: the same attributes) mark single
+dimensions.  Only top-level arguments are made symbolic: plain tensors (not
+parameters, not subclasses) and ints; tensors nested in containers stay static.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import operator
+import struct
+import weakref
+from typing import Any, Iterator, Optional
+
+import sympy
+import torch
+from torch._guards import GuardSource, Source
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+from nnscaler_eval import _C
+
+# A field of the call key that can be symbolic: (argument index, dimension), or
+# (argument index, None) for an int argument.
+Field = tuple[int, Optional[int]]
+
+
+class Unsupported(Exception):
+    """The capture used a symbol in a way this module cannot write into the graph or
+    check in C: convert_frame captures the call with static sizes instead."""
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: Any) -> None:
+    """Make `tensor`'s dimension `dim` (an int or a sequence of ints) symbolic from
+    the first capture that takes it as an argument.  The mark is torch's own
+    (`torch._dynamo.mark_dynamic` sets the same attribute), so both honour it."""
+    dims = _dims_of(tensor, dim, "mark_dynamic")
+    marked = set(getattr(tensor, "_dynamo_dynamic_indices", set()))
+    tensor._dynamo_dynamic_indices = marked | dims  # type: ignore[attr-defined]
+    static = getattr(tensor, "_dynamo_static_indices", None)
+    if static:
+        tensor._dynamo_static_indices = set(static) - dims  # type: ignore[attr-defined]
+
+
+def mark_static(tensor: torch.Tensor, dim: Any = None) -> None:
+    """Keep `tensor`'s dimension `dim` (all of them when None) specialised, whatever
+    the `dynamic` setting and whatever sizes earlier calls had."""
+    dims = (set(range(tensor.dim())) if dim is None
+            else _dims_of(tensor, dim, "mark_static"))
+    static = set(getattr(tensor, "_dynamo_static_indices", set()))
+    tensor._dynamo_static_indices = static | dims  # type: ignore[attr-defined]
+    marked = getattr(tensor, "_dynamo_dynamic_indices", None)
+    if marked:
+        tensor._dynamo_dynamic_indices = set(marked) - dims  # type: ignore[attr-defined]
+
+
+def _dims_of(tensor: Any, dim: Any, what: str) -> set[int]:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"nnscaler.{what}(): expected a tensor, got {type(tensor).__name__}")
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    out = set()
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"nnscaler.{what}(): a dimension must be an int, not {d!r}")
+        if not -tensor.dim() <= d < max(tensor.dim(), 1):
+            raise IndexError(f"nnscaler.{what}(): dimension {d} is out of range for a "
+                             f"tensor of {tensor.dim()} dimensions")
+        out.add(d % tensor.dim() if tensor.dim() else d)
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+# bucket -> the fields that became symbolic for it (automatic dynamic remembers them
+# for the owner's later captures, as torch.compile does per frame).
+_symbolic_fields: "weakref.WeakKeyDictionary[Any, set[Field]]" = weakref.WeakKeyDictionary()
+# buckets whose dynamic capture failed (Unsupported, a fallback): captured statically
+# from then on, so a forward that cannot be captured symbolically is tried once.
+_failed: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _i64(data: bytes, offset: int) -> int:
+    return struct.unpack_from("q", data, offset)[0]
+
+
+def _symbolic_candidates(layout: tuple, values: tuple) -> dict[Field, int]:
+    """Every field that may be made symbolic, with its key offset."""
+    fields: dict[Field, int] = {}
+    for index, (item, value) in enumerate(zip(layout, values)):
+        if item[0] == "tensor" and type(value) is torch.Tensor:
+            _, offset, ndim = item
+            for d in range(ndim):
+                fields[(index, d)] = offset + 8 * d
+        elif item[0] == "int" and type(value) is int:
+            fields[(index, None)] = item[1]
+    return fields
+
+
+def _differing(layout: tuple, data: bytes, other_layout: tuple, other: bytes,
+               values: tuple) -> Optional[set[Field]]:
+    """The fields in which two keys differ, when they differ only in sizes (with the
+    strides of tensors whose sizes differ) and int values; else None."""
+    if len(data) != len(other) or layout != other_layout:
+        return None
+    ignored: set[int] = set()   # offsets of 8-byte fields compared below, not as bytes
+    diff: set[Field] = set()
+    for index, item in enumerate(layout):
+        if item[0] == "tensor" and type(values[index]) is torch.Tensor:
+            _, offset, ndim = item
+            sizes = [d for d in range(ndim)
+                     if _i64(data, offset + 8 * d) != _i64(other, offset + 8 * d)]
+            ignored.update(offset + 8 * d for d in range(ndim))
+            if sizes:
+                diff.update((index, d) for d in sizes)
+                ignored.update(offset + 8 * (ndim + d) for d in range(ndim))
+        elif item[0] == "int" and type(values[index]) is int:
+            if _i64(data, item[1]) != _i64(other, item[1]):
+                diff.add((index, None))
+            ignored.add(item[1])
+    at = 0
+    for offset in sorted(ignored):
+        if data[at:offset] != other[at:offset]:
+            return None
+        at = offset + 8
+    if data[at:] != other[at:]:
+        return None
+    return diff
+
+
+def _marked(values: tuple) -> tuple[set[Field], set[Field]]:
+    dynamic: set[Field] = set()
+    static: set[Field] = set()
+    for index, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            dynamic.update((index, d) for d in getattr(value, "_dynamo_dynamic_indices", ()))
+            static.update((index, d) for d in getattr(value, "_dynamo_static_indices", ()))
+    return dynamic, static
+
+
+def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[frozenset]:
+    """The fields to make symbolic in this miss's capture, or None (a static one)."""
+    if config.dynamic is False or config.backend_fn is not None or bucket in _failed:
+        return None
+    layout = _C.call_key_layout(call_key)
+    if len(layout) != len(values):
+        return None
+    candidates = _symbolic_candidates(layout, values)
+    if not candidates:
+        return None
+    marked, static = _marked(values)
+    wanted = set(marked)
+    if config.dynamic:
+        wanted |= set(candidates)
+    else:
+        data = _C.call_key_bytes(call_key)
+        for entry in bucket.entries:
+            info = getattr(entry, "info", None)
+            if info is None or entry.runner is None or not getattr(info, "symbolic_ok", False):
+                continue
+            diff = _differing(layout, data, _C.call_key_layout(entry),
+                              _C.call_key_bytes(entry), values)
+            if diff:
+                wanted |= diff
+        remembered = _symbolic_fields.get(bucket)
+        if remembered and wanted:
+            wanted |= remembered
+        elif remembered:
+            # Sizes that changed before: symbolic again, but only when this key could
+            # not have been served by an earlier entry (it is a miss) and has the
+            # fields at all.
+            wanted = set(remembered)
+    wanted = {f for f in wanted if f in candidates and f not in static}
+    if not wanted:
+        return None
+    if not config.dynamic:
+        _symbolic_fields.setdefault(bucket, set()).update(wanted)
+    return frozenset(wanted)
+
+
+def failed(bucket: Any) -> None:
+    """Capture `bucket`'s calls statically from now on."""
+    _failed.add(bucket)
+
+
+# ------------------------------------------------------------------- fake inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentSource(Source):
+    """Where a symbol comes from, for ShapeEnv's messages: `x.size(1)`, `n`."""
+
+    label: str
+
+    @property
+    def _name_template(self) -> str:
+        return self.label
+
+    @property
+    def guard_source(self) -> GuardSource:  # type: ignore[override]
+        return GuardSource.LOCAL
+
+
+class SymbolicInputs:
+    """The fake arguments of one dynamic capture and what its entry checks."""
+
+    def __init__(self, fields: frozenset, call_key: Any, values: tuple,
+                 names: tuple[str, ...]) -> None:
+        self.shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=True)
+        # static_shapes: a real tensor met in the trace (a parameter) becomes a fake
+        # of its own sizes; only the arguments made here have symbols.
+        self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True,
+                                        static_shapes=True)
+        self.key_len = len(_C.call_key_bytes(call_key))
+        self.bindings: dict[sympy.Symbol, int] = {}     # symbol -> key offset
+        self.origins: dict[sympy.Symbol, str] = {}      # symbol -> "x.size(1)", "n"
+        self.wild: set[int] = set()
+        self.stride_checks: list[tuple[int, Any]] = []  # (key offset, expression)
+        self.int_slots: dict[int, sympy.Symbol] = {}    # argument index -> its symbol
+        self.sources: dict[sympy.Symbol, tuple[int, Optional[int]]] = {}
+        self.symbol_nodes: dict[sympy.Symbol, Any] = {}
+        self._emitted: dict[tuple[int, Any], Any] = {}
+        layout = _C.call_key_layout(call_key)
+        fake: list[Any] = list(values)
+        for index, value in enumerate(values):
+            dims = {d for (i, d) in fields if i == index}
+            if not dims:
+                continue
+            item = layout[index]
+            if None in dims:
+                fake[index] = self._int(index, value, item[1], names[index])
+            else:
+                fake[index] = self._tensor(index, value, dims, item[1], names[index])
+        self.values = tuple(fake)
+
+    def _int(self, index: int, value: int, offset: int, name: str) -> Any:
+        symbol = self.shape_env.create_symbol(value, ArgumentSource(name),
+                                              dynamic_dim=DimDynamic.DYNAMIC)
+        if not isinstance(symbol, sympy.Symbol):
+            return value   # 0 or 1: specialised
+        self.bindings[symbol] = offset
+        self.origins[symbol] = name
+        self.wild.add(offset)
+        self.int_slots[index] = symbol
+        self.sources[symbol] = (index, None)
+        return self.shape_env.create_symintnode(symbol, hint=value)
+
+    def _tensor(self, index: int, tensor: torch.Tensor, dims: set[int], offset: int,
+                name: str) -> Any:
+        sizes, strides = list(tensor.shape), list(tensor.stride())
+        ndim = len(sizes)
+        order = _dense_order(sizes, strides)
+        if order is None:
+            return tensor   # overlapping or with gaps: static
+        sym_sizes: list[Any] = []
+        for d, size in enumerate(sizes):
+            if d in dims:
+                symbol = self.shape_env.create_symbol(
+                    size, ArgumentSource(f"{name}.size({d})"), dynamic_dim=DimDynamic.DYNAMIC)
+                if isinstance(symbol, sympy.Symbol):
+                    self.bindings[symbol] = offset + 8 * d
+                    self.origins[symbol] = f"{name}.size({d})"
+                    self.sources[symbol] = (index, d)
+                    self.wild.add(offset + 8 * d)
+                    sym_sizes.append(self.shape_env.create_symintnode(symbol, hint=size))
+                    continue
+            sym_sizes.append(size)
+        if not any(isinstance(s, torch.SymInt) for s in sym_sizes):
+            return tensor
+        sym_strides: list[Any] = [0] * ndim
+        expected: Any = 1
+        for d in order:
+            sym_strides[d] = expected
+            expected = expected * sym_sizes[d]
+        for d in range(ndim):
+            self.wild.add(offset + 8 * (ndim + d))
+            stride = sym_strides[d]
+            self.stride_checks.append(
+                (offset + 8 * (ndim + d),
+                 stride.node.expr if isinstance(stride, torch.SymInt) else int(stride)))
+        with self.fake_mode:
+            fake = torch.empty_strided(sym_sizes, sym_strides, dtype=tensor.dtype,
+                                       device=tensor.device)
+        if tensor.requires_grad:
+            fake.requires_grad_(True)
+        return fake
+
+    # -- during the trace ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The fake mode, and text and hashing of symbols specialising them."""
+        with self.fake_mode, specialising_text():
+            yield
+
+    def graph_value(self, tracer: Any, value: Any) -> Any:
+        """A SymInt / SymFloat / SymBool as an fx argument: its expression over the
+        inputs' sizes, as nodes of the graph being recorded (or a constant)."""
+        expr = self.shape_env.replace(value.node.expr)
+        if expr.is_number:
+            return _number(expr)
+        return self._emit(tracer, expr)
+
+    def _emit(self, tracer: Any, expr: Any) -> Any:
+        if expr.is_number:
+            return _number(expr)
+        memo = (id(tracer.graph), expr)
+        node = self._emitted.get(memo)
+        if node is not None:
+            return node
+        if isinstance(expr, sympy.Symbol):
+            node = tracer.symbol_node(self, expr)
+        else:
+            function, operands = _operation(expr)
+            args = [self._emit(tracer, a) for a in operands]
+            node = args[0]
+            if function is operator.neg or function is operator.not_:
+                node = tracer.create_node("call_function", function, (node,), {})
+            else:
+                for arg in args[1:]:
+                    node = tracer.create_node("call_function", function, (node, arg), {})
+        self._emitted[memo] = node
+        return node
+
+    def hint(self, symbol: sympy.Symbol) -> int:
+        values = getattr(self.shape_env, "backed_var_to_val", None)
+        if values is None:
+            values = self.shape_env.var_to_val
+        return int(values[symbol])
+
+    # -- after the trace ------------------------------------------------------------
+
+    def guard_program(self) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+        """(wild offsets, program, the guards in words) for the entry."""
+        env = self.shape_env
+        if env.deferred_runtime_asserts and any(env.deferred_runtime_asserts.values()):
+            raise Unsupported("the capture made runtime assertions on data-dependent sizes")
+        code: list[int] = []
+        words: list[str] = []
+        for symbol, offset in self.bindings.items():
+            bounds = env.var_to_range.get(symbol)
+            name = self.origins[symbol]
+            if bounds is not None:
+                lower, upper = bounds.lower, bounds.upper
+                # torch's int_oo says it is finite: ask for an Integer instead
+                if getattr(lower, "is_Integer", False):
+                    code += [_C.SG_LOAD, offset, _C.SG_CONST, int(lower), _C.SG_GE, _C.SG_CHECK]
+                    words.append(f"{name} >= {int(lower)}")
+                if getattr(upper, "is_Integer", False) and int(upper) < 2 ** 62:
+                    code += [_C.SG_LOAD, offset, _C.SG_CONST, int(upper), _C.SG_LE, _C.SG_CHECK]
+                    words.append(f"{name} <= {int(upper)}")
+        for symbol, replacement in env.replacements.items():
+            if symbol in self.bindings:
+                code += [_C.SG_LOAD, self.bindings[symbol]]
+                self._compile(replacement, code)
+                code += [_C.SG_EQ, _C.SG_CHECK]
+                words.append(f"{self._text(symbol)} == {self._text(replacement)}")
+        seen = set()
+        for guard in env.guards:
+            if guard.expr in seen:
+                continue
+            seen.add(guard.expr)
+            self._compile(guard.expr, code)
+            code.append(_C.SG_CHECK)
+            words.append(self._text(guard.expr))
+        for offset, expr in self.stride_checks:
+            code += [_C.SG_LOAD, offset]
+            self._compile(expr, code)
+            code += [_C.SG_EQ, _C.SG_CHECK]
+        return tuple(sorted(self.wild)), tuple(code), words
+
+    def specialised(self) -> list[str]:
+        """The symbols the capture fixed to one value (`int(L)`, `range(L)`), in
+        words with where torch recorded it; all of them: the capture is static."""
+        out = []
+        for symbol in self.bindings:
+            value = self.shape_env.replacements.get(symbol)
+            if value is not None and value.is_number:
+                out.append(f"{self.origins[symbol]} == {value}{self._where(symbol)}")
+        return out
+
+    def _where(self, symbol: Any) -> str:
+        for guard in self.shape_env.guards:
+            if symbol in guard.expr.free_symbols:
+                location = getattr(guard, "sloc", None)
+                user = getattr(location, "maybe_user_loc", None) if location else None
+                return f" (at {user})" if user else ""
+        return ""
+
+    def _text(self, expr: Any) -> str:
+        return str(expr.xreplace({s: sympy.Symbol(self.origins[s]) for s in self.bindings}))
+
+    def symbols_in_words(self) -> list[str]:
+        """`x.size(1) in [2, oo)` per symbol, for explain()."""
+        out = []
+        for symbol in self.bindings:
+            bounds = self.shape_env.var_to_range.get(symbol)
+            value = self.shape_env.replacements.get(symbol)
+            where = (f"specialised to {self._text(value)}" if value is not None
+                     else f"in [{bounds.lower}, {bounds.upper}]" if bounds is not None else "")
+            out.append(f"{self.origins[symbol]} ({symbol}) {where}".rstrip())
+        return out
+
+    def _compile(self, expr: Any, code: list[int]) -> None:
+        expr = sympy.sympify(expr)
+        if expr is sympy.true:
+            code += [_C.SG_CONST, 1]
+            return
+        if expr is sympy.false:
+            code += [_C.SG_CONST, 0]
+            return
+        if expr.is_number:
+            number = _number(expr)
+            if not isinstance(number, (int, bool)):
+                raise Unsupported(f"a non-integer constant {expr} in a size guard")
+            code += [_C.SG_CONST, int(number)]
+            return
+        if isinstance(expr, sympy.Symbol):
+            offset = self.bindings.get(expr)
+            if offset is None:
+                raise Unsupported(f"symbol {expr} is not a size or int of an argument")
+            code += [_C.SG_LOAD, offset]
+            return
+        function, operands = _operation(expr)
+        opcode = _OPCODES[function]
+        self._compile(operands[0], code)
+        if function in (operator.neg, operator.not_):
+            code.append(opcode)
+            return
+        for operand in operands[1:]:
+            self._compile(operand, code)
+            code.append(opcode)
+
+
+def _dense_order(sizes: list[int], strides: list[int]) -> Optional[list[int]]:
+    """The dimensions from innermost to outermost when the tensor is dense and
+    non-overlapping (a permutation of a contiguous layout), else None."""
+    order = sorted(range(len(sizes)), key=lambda d: (strides[d], -d))
+    expected = 1
+    for d in order:
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
+
+
+def _number(expr: Any) -> Any:
+    if expr is sympy.true or expr is sympy.false:
+        return bool(expr)
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Float or expr.is_Rational:
+        return float(expr)
+    raise Unsupported(f"constant {expr}")
+
+
+# sympy head -> the Python function a graph node calls (and the guard opcode)
+def _operation(expr: Any) -> tuple[Any, tuple]:
+    if isinstance(expr, sympy.Add):
+        return operator.add, expr.args
+    if isinstance(expr, sympy.Mul):
+        if any(a.is_Rational and not a.is_Integer for a in expr.args):
+            raise Unsupported(f"a fraction in {expr}")
+        return operator.mul, expr.args
+    if isinstance(expr, sympy.Pow):
+        base, exponent = expr.args
+        if not (exponent.is_Integer and int(exponent) >= 0):
+            raise Unsupported(f"a power that is not a natural number in {expr}")
+        return operator.pow, expr.args
+    if isinstance(expr, FloorDiv):
+        return operator.floordiv, expr.args
+    if isinstance(expr, (Mod, PythonMod)):
+        return operator.mod, expr.args
+    if isinstance(expr, sympy.Max):
+        return builtins.max, expr.args
+    if isinstance(expr, sympy.Min):
+        return builtins.min, expr.args
+    for kind, function in _RELATIONS:
+        if isinstance(expr, kind):
+            return function, expr.args
+    if isinstance(expr, sympy.Not):
+        return operator.not_, expr.args
+    if isinstance(expr, sympy.And):
+        return operator.and_, expr.args
+    if isinstance(expr, sympy.Or):
+        return operator.or_, expr.args
+    raise Unsupported(f"cannot write {type(expr).__name__} ({expr}) into the graph")
+
+
+_RELATIONS = ((sympy.Eq, operator.eq), (sympy.Ne, operator.ne), (sympy.Lt, operator.lt),
+              (sympy.Le, operator.le), (sympy.Gt, operator.gt), (sympy.Ge, operator.ge))
+
+_OPCODES = {
+    operator.add: _C.SG_ADD, operator.mul: _C.SG_MUL, operator.pow: _C.SG_POW,
+    operator.floordiv: _C.SG_FLOORDIV, operator.mod: _C.SG_MOD, builtins.max: _C.SG_MAX,
+    builtins.min: _C.SG_MIN, operator.eq: _C.SG_EQ, operator.ne: _C.SG_NE,
+    operator.lt: _C.SG_LT, operator.le: _C.SG_LE, operator.gt: _C.SG_GT,
+    operator.ge: _C.SG_GE, operator.not_: _C.SG_NOT, operator.and_: _C.SG_AND,
+    operator.or_: _C.SG_OR, operator.neg: _C.SG_NEG,
+}
+
+
+@contextlib.contextmanager
+def specialising_text() -> Iterator[None]:
+    """While a dynamic capture runs: `str`, `repr`, `format` and `hash` of a symbolic
+    int, float or bool give its value's, specialising it (a guard), as eager's value
+    would read.  Class attributes, restored on the way out (one capture at a time)."""
+    saved = []
+    for cls, plain in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
+        for name in ("__str__", "__repr__", "__format__", "__hash__"):
+            saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
+
+        def text(self: Any, _plain: Any = plain) -> str:
+            return str(_plain(self))
+
+        def representation(self: Any, _plain: Any = plain) -> str:
+            return repr(_plain(self))
+
+        def formatted(self: Any, spec: str, _plain: Any = plain) -> str:
+            return format(_plain(self), spec)
+
+        def hashed(self: Any, _plain: Any = plain) -> int:
+            return hash(_plain(self))
+
+        cls.__str__ = text  # type: ignore[method-assign]
+        cls.__repr__ = representation  # type: ignore[method-assign]
+        cls.__format__ = formatted  # type: ignore[method-assign]
+        cls.__hash__ = hashed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, name, value in saved:
+            if value is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(cls, name)
+            else:
+                setattr(cls, name, value)
+
+
+_MISSING = object()

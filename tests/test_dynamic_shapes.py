@@ -1,0 +1,435 @@
+"""Dynamic shapes and int arguments (capture/dynamic.py): one capture serves every
+size its guards allow, and eager is the oracle for every construct."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import struct
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nnscaler
+from nnscaler_eval import _C
+from nnscaler_eval.capture import dynamic
+
+
+def _pair(module: nn.Module, **options):
+    eager = copy.deepcopy(module)
+    return nnscaler.compile(module, **options), eager
+
+
+def _agree(compiled, eager, *args, **kwargs):
+    got, want = compiled(*args, **kwargs), eager(*args, **kwargs)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and torch.equal(a, b), (args, kwargs)
+        else:
+            assert a == b, (a, b)
+    return got
+
+
+LENGTHS = [8, 9, 0, 1, 2, 37, 5, 64, 3, 16, 2, 300, 1, 8, 12]
+
+
+def _entries(module):
+    return [e for e in _bucket_entries(module)]
+
+
+def _bucket_entries(module):
+    import gc
+    return [o for o in gc.get_objects() if type(o) is _C.CacheEntry and o.info is not None
+            and o.info.where.startswith(type(module).__name__ + ".")]
+
+
+class Attention(nn.Module):
+    """view with sizes, masks from lengths, arange, slicing, a size-dependent branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.pos = nn.Parameter(torch.randn(512, 16))
+
+    def forward(self, x):
+        B, L, D = x.shape
+        h = x + self.pos[:L]
+        q, k, v = self.qkv(h).view(B, L, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(L, L, dtype=torch.bool).triu(1)
+        a = (q @ k.transpose(-1, -2) / math.sqrt(D // 4)).masked_fill(mask, -1e9)
+        if L > 32:
+            a = a * 0.5
+        out = (a.softmax(-1) @ v).transpose(1, 2).reshape(B, L, D)
+        return out + torch.arange(L, dtype=out.dtype)[:, None] / max(L, 1)
+
+
+def test_sequence_lengths_in_any_order_agree_with_eager():
+    compiled, eager = _pair(Attention())
+    for L in LENGTHS:
+        _agree(compiled, eager, torch.randn(2, L, 16))
+    info = nnscaler.cache_info(compiled)
+    # static 8, then symbolic (L <= 32 and L > 32), and the specialised 0 and 1
+    assert info.captures <= 5, info
+    assert info.hits >= len(LENGTHS) - 5
+
+
+def test_dynamic_false_specialises_every_size():
+    compiled, eager = _pair(Attention(), dynamic=False, cache_size_limit=32)
+    for L in [4, 5, 6, 7]:
+        _agree(compiled, eager, torch.randn(2, L, 16))
+    assert nnscaler.cache_info(compiled).captures == 4
+
+
+def test_dynamic_true_is_symbolic_from_the_first_capture():
+    compiled, eager = _pair(Attention(), dynamic=True)
+    for L in [4, 5, 6, 7, 20]:
+        _agree(compiled, eager, torch.randn(3, L, 16))
+    assert nnscaler.cache_info(compiled).captures == 1
+    _agree(compiled, eager, torch.randn(5, 9, 16))   # the batch is symbolic too
+    assert nnscaler.cache_info(compiled).captures == 1
+
+
+@pytest.mark.parametrize("marker", ["ours", "torch"])
+def test_mark_dynamic_makes_the_first_capture_symbolic(marker):
+    compiled, eager = _pair(Attention())
+    for L in [6, 7, 30]:
+        x = torch.randn(2, L, 16)
+        if marker == "ours":
+            nnscaler.mark_dynamic(x, 1)
+        else:
+            torch._dynamo.mark_dynamic(x, 1)
+        _agree(compiled, eager, x)
+    assert nnscaler.cache_info(compiled).captures == 1
+
+
+def test_mark_static_keeps_a_dimension_specialised():
+    compiled, eager = _pair(Attention(), cache_size_limit=32)
+    for L in [6, 7, 8]:
+        x = torch.randn(2, L, 16)
+        nnscaler.mark_static(x, 1)
+        _agree(compiled, eager, x)
+    assert nnscaler.cache_info(compiled).captures == 3
+
+
+def test_mark_dynamic_checks_its_arguments():
+    with pytest.raises(IndexError, match="out of range"):
+        nnscaler.mark_dynamic(torch.randn(2, 3), 5)
+    with pytest.raises(TypeError, match="must be an int"):
+        nnscaler.mark_dynamic(torch.randn(2, 3), "1")
+    with pytest.raises(TypeError, match="expected a tensor"):
+        nnscaler.mark_dynamic([1, 2], 0)
+
+
+class PythonDecisions(nn.Module):
+    """Python decisions on sizes: each is a guard or a specialisation."""
+
+    def forward(self, x):
+        L = x.shape[1]
+        out = x
+        for i in range(min(L, 3)):             # unrolled: specialises min(L, 3)
+            out = out + i
+        if L % 4 == 0:                          # divisibility
+            out = out * 2
+        table = {L: 1.0}                        # a size as a dict key
+        out = out * table[x.size(1)]
+        pad = [0] * (L % 3)                     # a list length
+        out = out + len(pad)
+        text = f"{L}"                           # formatting
+        out = out + len(text)
+        return out * math.sqrt(L) + int(L) // 2
+
+
+def test_python_decisions_on_sizes_agree_with_eager():
+    compiled, eager = _pair(PythonDecisions(), cache_size_limit=64)
+    rng = random.Random(1)
+    lengths = [rng.choice([0, 1, 2, 3, 4, 7, 8, 12, 100, 101]) for _ in range(40)]
+    for L in lengths:
+        _agree(compiled, eager, torch.randn(2, L))
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, y):
+        return (x + y).expand(3, *x.shape).repeat(1, 2, 1)
+
+
+def test_equal_dimensions_are_guarded_not_assumed():
+    compiled, eager = _pair(TwoInputs())
+    for n in [4, 5, 6, 9]:
+        _agree(compiled, eager, torch.randn(n, 3), torch.randn(n, 3))
+    # broadcasting against 1, and a mismatch that eager rejects
+    _agree(compiled, eager, torch.randn(5, 3), torch.randn(1, 3))
+    with pytest.raises(RuntimeError):
+        compiled(torch.randn(5, 3), torch.randn(6, 3))
+    _agree(compiled, eager, torch.randn(7, 3), torch.randn(7, 3))
+
+
+class Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).flatten(2).mean(-1)
+
+
+def test_strides_are_part_of_the_check():
+    compiled, eager = _pair(Conv())
+    for size in [8, 9, 10]:
+        _agree(compiled, eager, torch.randn(2, 3, size, size))
+    for size in [8, 11]:
+        cl = torch.randn(2, 3, size, size).to(memory_format=torch.channels_last)
+        _agree(compiled, eager, cl)
+        _agree(compiled, eager, torch.randn(2, 3, size, 2 * size)[..., ::2])  # not dense
+        _agree(compiled, eager, torch.randn(2, size, size, 3).permute(0, 3, 1, 2))
+
+
+class Timestep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, t: int, scale: float = 1.0):
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(4) / 4)
+        emb = t * freqs
+        e = torch.cat([emb.sin(), emb.cos()])
+        if t % 2 == 0:
+            e = e * 2
+        return self.proj(x + e) * scale
+
+
+def test_int_arguments_become_symbolic():
+    compiled, eager = _pair(Timestep())
+    steps = [999, 950, 900, 851, 800, 751, 700, 650, 600, 551, 500, 450, 0, 1]
+    for t in steps:
+        _agree(compiled, eager, torch.randn(2, 8), t)
+    assert nnscaler.cache_info(compiled).captures <= 5   # static, even, odd, 0, 1
+    _agree(compiled, eager, torch.randn(2, 8), 7, 0.5)
+
+
+def test_bool_arguments_stay_specialised():
+    class M(nn.Module):
+        def forward(self, x, flag: bool):
+            return x * 2 if flag else x - 1
+
+    compiled, eager = _pair(M())
+    for flag in [True, False, True, False]:
+        _agree(compiled, eager, torch.randn(3), flag)
+
+
+def test_data_dependent_forward_stays_static_and_correct():
+    class M(nn.Module):
+        def forward(self, x):
+            if x.shape[0] > 4:
+                return x * x.sum().item()
+            return x + 1
+
+    compiled, eager = _pair(M(), cache_size_limit=32)
+    for n in [2, 3, 5, 6, 7, 3]:
+        _agree(compiled, eager, torch.randn(n))
+
+
+def test_modules_with_hooks_are_not_run_on_fakes():
+    calls = []
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.inner.register_forward_hook(lambda m, i, o: calls.append(tuple(o.shape)))
+
+        def forward(self, x):
+            return self.inner(x).relu()
+
+    compiled, eager = _pair(M(), cache_size_limit=32)
+    for n in [2, 3, 4, 5]:
+        _agree(compiled, eager, torch.randn(n, 4))
+    # one call of the hook per call of each model, never with a fake tensor
+    assert len(calls) == 8 and all(isinstance(s[0], int) for s in calls)
+
+
+def test_counters_written_by_forward_count_as_in_eager():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return x * x.shape[0]
+
+    compiled, eager = _pair(M(), cache_size_limit=32)
+    for n in [2, 3, 4, 5, 6]:
+        _agree(compiled, eager, torch.randn(n))
+    assert compiled.calls == eager.calls == 5
+
+
+def test_batchnorm_statistics_update_once():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(x)
+
+    compiled, eager = _pair(M().train())
+    for n in [3, 4, 5, 6, 9]:
+        _agree(compiled, eager, torch.randn(n, 4))
+    assert torch.equal(compiled.bn.running_mean, eager.bn.running_mean)
+    assert compiled.bn.num_batches_tracked == eager.bn.num_batches_tracked == 5
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.att = Attention()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.att(self.emb(ids))))
+
+
+def test_training_with_variable_lengths_matches_eager():
+    model = TinyLM()
+    compiled, eager = _pair(model)
+    opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    rng = random.Random(0)
+    for _ in range(20):
+        L = rng.randint(1, 40)
+        ids = torch.randint(0, 50, (2, L))
+        target = torch.randint(0, 50, (2, L))
+        losses = []
+        for m, opt in ((compiled, opt_c), (eager, opt_e)):
+            loss = nn.functional.cross_entropy(m(ids).flatten(0, 1), target.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        assert torch.equal(*losses)
+    for p, q in zip(compiled.parameters(), eager.parameters()):
+        assert torch.equal(p, q)
+    assert nnscaler.cache_info(compiled).captures <= 4
+
+
+def test_explain_shows_symbols_and_their_guards():
+    compiled, eager = _pair(Attention(), dynamic=True)
+    text = str(nnscaler.explain(compiled, torch.randn(2, 40, 16)))
+    assert "symbolic" in text and "x.size(1)" in text and "x.size(1) > 32" in text
+
+
+def test_torch_cond_with_a_size_predicate():
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.cond(x.shape[0] > 4, lambda t: t.cos(), lambda t: t.sin(), (x,))
+
+    compiled, eager = _pair(M(), cache_size_limit=32)
+    for n in [2, 3, 5, 6, 4, 8]:
+        _agree(compiled, eager, torch.randn(n, 3))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_decoders_over_lengths(arch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100,
+                                         n_positions=128)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32,
+                                          intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=100,
+                                          max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(config)
+    model.eval()
+    compiled, eager = _pair(model)
+    lengths = list(range(1, 65))
+    random.Random(0).shuffle(lengths)
+    with torch.no_grad():
+        for L in lengths:
+            ids = torch.randint(0, 100, (2, L))
+            got = compiled(input_ids=ids, use_cache=False).logits
+            want = eager(input_ids=ids, use_cache=False).logits
+            assert torch.equal(got, want), L
+    # the first length static, then one symbolic capture, and length 1 on its own
+    assert nnscaler.cache_info(compiled).captures <= 3
+
+
+# ----------------------------------------------------------- the C guard program
+
+
+def _key(*values):
+    return _C.call_key_bytes(_C.CallKey(*values))
+
+
+def test_layout_names_sizes_strides_and_ints():
+    key = _C.CallKey(torch.randn(2, 3), 5, "a")
+    layout = _C.call_key_layout(key)
+    data = _C.call_key_bytes(key)
+    kind, offset, ndim = layout[0]
+    assert (kind, ndim) == ("tensor", 2)
+    assert struct.unpack_from("4q", data, offset) == (2, 3, 3, 1)
+    assert layout[1][0] == "int" and struct.unpack_from("q", data, layout[1][1]) == (5,)
+    assert layout[2][0] == "other"
+    with pytest.raises(TypeError):
+        _C.call_key_layout(object())
+
+
+def _program(*ops):
+    return [getattr(_C, f"SG_{op}") if isinstance(op, str) else op for op in ops]
+
+
+def test_guard_program_semantics_match_python():
+    stored = _key(7)
+    offset = _C.call_key_layout(_C.CallKey(7))[0][1]
+    for a in [-7, -1, 0, 3, 7, 2 ** 62]:
+        for b in [-3, -1, 1, 2, 5]:
+            for op, fn in [("FLOORDIV", lambda x, y: x // y), ("MOD", lambda x, y: x % y)]:
+                want = fn(a, b)
+                code = _program("LOAD", offset, "CONST", b, op, "CONST", want, "EQ", "CHECK")
+                assert _C.shape_guards_match(stored, _key(a), [offset], code), (a, op, b)
+    # overflow and division by zero fail the match, never wrap
+    code = _program("LOAD", offset, "LOAD", offset, "MUL", "CONST", 0, "NE", "CHECK")
+    assert not _C.shape_guards_match(stored, _key(2 ** 40), [offset], code)
+    code = _program("CONST", 1, "LOAD", offset, "FLOORDIV", "CHECK")
+    assert not _C.shape_guards_match(stored, _key(0), [offset], code)
+    # bytes outside the symbolic fields must be equal
+    assert not _C.shape_guards_match(_key(7, 1), _key(8, 2), [offset], [])
+    assert _C.shape_guards_match(_key(7, 1), _key(8, 1), [offset], [])
+
+
+@pytest.mark.parametrize("wild, code, message", [
+    ([10 ** 6], [], "outside the key"),
+    ([], [1], "lacks its operand"),
+    ([], [_C.SG_ADD], "underflow"),
+    ([], [_C.SG_CONST, 1], "unchecked"),
+    ([], [99], "unknown opcode"),
+    ([], [_C.SG_LOAD, 10 ** 6, _C.SG_CHECK], "outside the key"),
+    ([], [_C.SG_CONST, 1] * 65 + [_C.SG_CHECK] * 65, "deeper"),
+])
+def test_guard_programs_are_validated(wild, code, message):
+    with pytest.raises(ValueError, match=message):
+        _C.shape_guards_match(_key(1), _key(1), wild, code)
+
+
+def test_an_entry_takes_shape_guards_once_and_before_it_is_stored():
+    entry = _C.CacheEntry(None, [], [], (), None, ())
+    entry.set_shape_guards([], [_C.SG_CONST, 1, _C.SG_CHECK], 20)
+    assert entry.shape_guards == ((), (_C.SG_CONST, 1, _C.SG_CHECK))
+    with pytest.raises(ValueError, match="already"):
+        entry.set_shape_guards([], [], 20)
+
+
+def test_plan_ignores_subclasses_parameters_and_nested_tensors():
+    class Sub(torch.Tensor):
+        pass
+
+    values = (torch.randn(2, 3).as_subclass(Sub), nn.Parameter(torch.randn(2)),
+              (torch.randn(2),), 3)
+    layout = _C.call_key_layout(_C.CallKey(*values))
+    assert set(dynamic._symbolic_candidates(layout, values)) == {(3, None)}
