@@ -72,7 +72,7 @@ BARE_HOOK_SRC = os.path.join(ROOT, "benchmarks", "bare_hook.c")
 BARE_HOOK_LIB = os.path.join(ROOT, "build", "bench_ir",
                              f"libbare_hook-{sys.implementation.cache_tag}.so")
 
-GROUPS = ["inputs", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax"]
+GROUPS = ["inputs", "inputs_dynamic", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax"]
 SIDES = ["eager", "ours", "dynamo"]
 FRAME_TAX_CALLS = 256   # plain frames per call in the frame_tax group's second point
 
@@ -381,6 +381,25 @@ def group_inputs(quick: bool) -> list[Point]:
     return points
 
 
+def group_inputs_dynamic(quick: bool) -> list[Point]:
+    """group_inputs with every size symbolic: ours `dynamic=True` (the key compared
+    outside the symbolic fields, then the shape-guard program), Dynamo `dynamic=True`."""
+    import torch
+
+    points = []
+    for k in (1, 4, 16, 32):
+        base = adder(k)
+        xs = tuple(torch.randn(2, 8) for _ in range(k))
+        built, ours = _sides(base, lambda c: c(*xs), ours_options={"dynamic": True},
+                             dynamic=True, context=torch.no_grad)
+        p = Point(f"{k} input{'s' if k > 1 else ''}, dynamic",
+                  {s: _loop(c, *xs) for s, c in built.items()},
+                  (10, 40) if quick else (20, 100), context=torch.no_grad,
+                  guard_scope=True, ours=ours, params={"inputs": k}, warm=3)
+        points.append(p)
+    return points
+
+
 def group_linear(quick: bool) -> list[Point]:
     """nn.Linear(8, 8) itself (torch's module, no user forward), batch 1."""
     import torch
@@ -633,7 +652,7 @@ def group_frame_tax(quick: bool) -> list[Point]:
 
 
 BUILDERS: dict[str, Callable[[bool], list[Point]]] = {
-    "inputs": group_inputs, "linear": group_linear, "stack": group_stack,
+    "inputs": group_inputs, "inputs_dynamic": group_inputs_dynamic, "linear": group_linear, "stack": group_stack,
     "gpt": group_gpt, "depth": group_depth, "lookup": group_lookup,
     "instances": group_instances, "frame_tax": group_frame_tax,
 }
