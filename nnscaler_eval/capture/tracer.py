@@ -629,7 +629,8 @@ class Tracer(TorchFunctionMode):
         else:
             node = self.create_node("call_function", func, node_args, node_kwargs)
         if kind in ("method", "function"):
-            node.meta[direct_calls.PLAIN_META] = direct_calls.args_are_plain(args, kwargs)
+            node.meta[direct_calls.PLAIN_META] = direct_calls.args_are_plain(
+                args, kwargs, (FakeTensor,) if self.symbolic is not None else ())
         dynamic = calls.makes_dynamic_shape(func, kind, target, args, kwargs)
         if self.nodes.dynamic_shape and not dynamic:
             dynamic = self.nodes.dynamic_among((args, kwargs))

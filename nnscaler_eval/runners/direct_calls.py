@@ -70,14 +70,15 @@ class DirectCall:
     method: Optional[str] = None
 
 
-def args_are_plain(args: Any, kwargs: Any) -> bool:
+def args_are_plain(args: Any, kwargs: Any, fakes: tuple[type, ...] = ()) -> bool:
     """For the tracer: no tensor among `args`/`kwargs` (nested in lists, tuples, dicts)
-    has a type of its own."""
+    has a type of its own.  `fakes`: types that stand for plain tensors in this trace
+    (a dynamic capture's FakeTensor, whose every input is a plain tensor)."""
     stack = [args, kwargs]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
-            if type(value) not in PLAIN_TENSOR_TYPES:
+            if type(value) not in PLAIN_TENSOR_TYPES and type(value) not in fakes:
                 return False
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
