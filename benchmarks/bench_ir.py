@@ -390,8 +390,14 @@ def group_inputs_dynamic(quick: bool) -> list[Point]:
     for k in (1, 4, 16, 32):
         base = adder(k)
         xs = tuple(torch.randn(2, 8) for _ in range(k))
-        built, ours = _sides(base, lambda c: c(*xs), ours_options={"dynamic": True},
+        # captured at other sizes, so that every measured hit matches the symbolic
+        # fields and runs the shape-guard program (not the exact-key path)
+        first = tuple(torch.randn(3, 9) for _ in range(k))
+        built, ours = _sides(base, lambda c: c(*first), ours_options={"ours_dynamic": True},
                              dynamic=True, context=torch.no_grad)
+        with torch.no_grad():
+            for c in built.values():
+                c(*xs)
         p = Point(f"{k} input{'s' if k > 1 else ''}, dynamic",
                   {s: _loop(c, *xs) for s, c in built.items()},
                   (10, 40) if quick else (20, 100), context=torch.no_grad,

@@ -93,6 +93,8 @@ def compile_variant(obj: Any, variant: str, dynamic: Any = None, **ours_options:
     if variant in (OURS, OURS_INDUCTOR):
         nnscaler = nnscaler_module()
         backend = "inductor" if variant == OURS_INDUCTOR else "eager"
+        if "ours_dynamic" in ours_options:   # `dynamic` itself is torch.compile's
+            ours_options = dict(ours_options, dynamic=ours_options.pop("ours_dynamic"))
         try:
             return nnscaler.compile(obj, backend=backend, **ours_options)
         except Exception as exc:

@@ -381,6 +381,8 @@ module_exec(PyObject *module)
         {"SG_MIN", SG_MIN}, {"SG_EQ", SG_EQ}, {"SG_NE", SG_NE}, {"SG_LT", SG_LT},
         {"SG_LE", SG_LE}, {"SG_GT", SG_GT}, {"SG_GE", SG_GE}, {"SG_AND", SG_AND},
         {"SG_OR", SG_OR}, {"SG_NOT", SG_NOT}, {"SG_CHECK", SG_CHECK},
+        {"SG_CHECK_GE_CONST", SG_CHECK_GE_CONST}, {"SG_CHECK_LE_CONST", SG_CHECK_LE_CONST},
+        {"SG_CHECK_EQ_CONST", SG_CHECK_EQ_CONST}, {"SG_CHECK_EQ_LOAD", SG_CHECK_EQ_LOAD},
     };
     for (size_t i = 0; i < sizeof(sg_ops) / sizeof(sg_ops[0]); i++) {
         if (PyModule_AddIntConstant(module, sg_ops[i].name, sg_ops[i].op) < 0) {

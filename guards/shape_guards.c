@@ -68,6 +68,20 @@ validate(const ShapeGuards *g)
             pc++;
             depth++;
             break;
+        case SG_CHECK_GE_CONST:
+        case SG_CHECK_LE_CONST:
+        case SG_CHECK_EQ_CONST:
+        case SG_CHECK_EQ_LOAD:
+            if (pc + 2 >= g->n_code) {
+                return bad("shape guards: fused check at %zd lacks its operands", pc);
+            }
+            if (g->code[pc + 1] < 0 || (size_t)g->code[pc + 1] + 8 > g->key_len ||
+                (op == SG_CHECK_EQ_LOAD &&
+                 (g->code[pc + 2] < 0 || (size_t)g->code[pc + 2] + 8 > g->key_len))) {
+                return bad("shape guards: fused check at %zd reads outside the key", pc);
+            }
+            pc += 2;
+            break;
         case SG_NEG:
         case SG_NOT:
             if (depth < 1) {
@@ -115,6 +129,16 @@ shape_guards_new(PyObject *wild, PyObject *code, size_t key_len)
         shape_guards_free(g);
         return NULL;
     }
+    g->mask = PyMem_Malloc(key_len ? key_len : 1);
+    if (g->mask == NULL) {
+        shape_guards_free(g);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memset(g->mask, 0xff, key_len);
+    for (Py_ssize_t i = 0; i < g->n_wild; i++) {
+        memset(g->mask + g->wild[i], 0, 8);
+    }
     return g;
 }
 
@@ -123,6 +147,7 @@ shape_guards_free(ShapeGuards *g)
 {
     if (g != NULL) {
         PyMem_Free(g->wild);
+        PyMem_Free(g->mask);
         PyMem_Free(g->code);
         PyMem_Free(g);
     }
@@ -205,6 +230,15 @@ shape_guards_run(const ShapeGuards *g, const unsigned char *key)
             }
             continue;
         }
+        if (op >= SG_CHECK_GE_CONST) {
+            int64_t a = load(key, code[pc + 1]);
+            int64_t b = op == SG_CHECK_EQ_LOAD ? load(key, code[pc + 2]) : code[pc + 2];
+            pc += 2;
+            if (op == SG_CHECK_GE_CONST ? a < b : op == SG_CHECK_LE_CONST ? a > b : a != b) {
+                return 0;
+            }
+            continue;
+        }
         if (op == SG_NEG) {
             if (stack[sp - 1] == INT64_MIN) {
                 return 0;
@@ -253,16 +287,21 @@ shape_guards_match(const ShapeGuards *g, const unsigned char *stored,
     if (len != g->key_len) {
         return 0;
     }
+    /* Equal outside the symbolic fields: word by word under the mask. */
     size_t at = 0;
-    for (Py_ssize_t i = 0; i < g->n_wild; i++) {
-        size_t field = (size_t)g->wild[i];
-        if (memcmp(stored + at, key + at, field - at) != 0) {
+    for (; at + 8 <= len; at += 8) {
+        uint64_t k, s, m;
+        memcpy(&k, key + at, 8);
+        memcpy(&s, stored + at, 8);
+        memcpy(&m, g->mask + at, 8);
+        if ((k ^ s) & m) {
             return 0;
         }
-        at = field + 8;
     }
-    if (memcmp(stored + at, key + at, len - at) != 0) {
-        return 0;
+    for (; at < len; at++) {
+        if ((key[at] ^ stored[at]) & g->mask[at]) {
+            return 0;
+        }
     }
     return shape_guards_run(g, key);
 }

@@ -28,6 +28,9 @@ enum {
     SG_EQ, SG_NE, SG_LT, SG_LE, SG_GT, SG_GE,
     SG_AND, SG_OR, SG_NOT,
     SG_CHECK,       /* pop; zero: the key does not match */
+    /* Fused checks (what most guards are), two operands each, the stack untouched:
+     * the field at key offset <a> compared with the constant or field <b>. */
+    SG_CHECK_GE_CONST, SG_CHECK_LE_CONST, SG_CHECK_EQ_CONST, SG_CHECK_EQ_LOAD,
     SG_N_OPS
 };
 
@@ -36,6 +39,7 @@ enum {
 typedef struct {
     Py_ssize_t n_wild;
     int64_t *wild;            /* sorted key offsets of the 8-byte symbolic fields */
+    unsigned char *mask;      /* key_len bytes: 0x00 in the symbolic fields, else 0xff */
     Py_ssize_t n_code;
     int64_t *code;            /* the validated program */
     size_t key_len;           /* the length every matching key has */

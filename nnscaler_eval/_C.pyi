@@ -35,6 +35,10 @@ SG_AND: int
 SG_OR: int
 SG_NOT: int
 SG_CHECK: int
+SG_CHECK_GE_CONST: int
+SG_CHECK_LE_CONST: int
+SG_CHECK_EQ_CONST: int
+SG_CHECK_EQ_LOAD: int
 
 class ArmToken: ...
 

@@ -398,6 +398,16 @@ def test_guard_program_semantics_match_python():
     assert not _C.shape_guards_match(stored, _key(2 ** 40), [offset], code)
     code = _program("CONST", 1, "LOAD", offset, "FLOORDIV", "CHECK")
     assert not _C.shape_guards_match(stored, _key(0), [offset], code)
+    # the fused checks: a field against a constant or another field
+    two = _C.call_key_layout(_C.CallKey(7, 7))
+    a, b = two[0][1], two[1][1]
+    for x, y in [(3, 3), (3, 4), (9, 2)]:
+        key = _key(x, y)
+        for op, want in [("CHECK_GE_CONST", x >= 3), ("CHECK_LE_CONST", x <= 3),
+                         ("CHECK_EQ_CONST", x == 3)]:
+            assert _C.shape_guards_match(_key(7, 7), key, [a, b], _program(op, a, 3)) == want
+        assert _C.shape_guards_match(_key(7, 7), key, [a, b],
+                                     _program("CHECK_EQ_LOAD", a, b)) == (x == y)
     # bytes outside the symbolic fields must be equal
     assert not _C.shape_guards_match(_key(7, 1), _key(8, 2), [offset], [])
     assert _C.shape_guards_match(_key(7, 1), _key(8, 1), [offset], [])
@@ -409,6 +419,8 @@ def test_guard_program_semantics_match_python():
     ([], [_C.SG_ADD], "underflow"),
     ([], [_C.SG_CONST, 1], "unchecked"),
     ([], [99], "unknown opcode"),
+    ([], [_C.SG_CHECK_EQ_CONST, 0], "lacks its operands"),
+    ([], [_C.SG_CHECK_EQ_LOAD, 0, 10 ** 6], "outside the key"),
     ([], [_C.SG_LOAD, 10 ** 6, _C.SG_CHECK], "outside the key"),
     ([], [_C.SG_CONST, 1] * 65 + [_C.SG_CHECK] * 65, "deeper"),
 ])

@@ -381,35 +381,71 @@ class SymbolicInputs:
         words: list[str] = []
         for symbol, offset in self.bindings.items():
             bounds = env.var_to_range.get(symbol)
+            target = env.replacements.get(symbol)
+            if isinstance(target, sympy.Symbol) and target in self.bindings and \
+                    _within(env.var_to_range.get(target), bounds):
+                continue   # equal to a symbol whose checked range lies inside its own
             name = self.origins[symbol]
             if bounds is not None:
                 lower, upper = bounds.lower, bounds.upper
                 # torch's int_oo says it is finite: ask for an Integer instead
                 if getattr(lower, "is_Integer", False):
-                    code += [_C.SG_LOAD, offset, _C.SG_CONST, int(lower), _C.SG_GE, _C.SG_CHECK]
+                    code += [_C.SG_CHECK_GE_CONST, offset, int(lower)]
                     words.append(f"{name} >= {int(lower)}")
                 if getattr(upper, "is_Integer", False) and int(upper) < 2 ** 62:
-                    code += [_C.SG_LOAD, offset, _C.SG_CONST, int(upper), _C.SG_LE, _C.SG_CHECK]
+                    code += [_C.SG_CHECK_LE_CONST, offset, int(upper)]
                     words.append(f"{name} <= {int(upper)}")
         for symbol, replacement in env.replacements.items():
             if symbol in self.bindings:
-                code += [_C.SG_LOAD, self.bindings[symbol]]
-                self._compile(replacement, code)
-                code += [_C.SG_EQ, _C.SG_CHECK]
+                self._equal(self.bindings[symbol], replacement, code)
                 words.append(f"{self._text(symbol)} == {self._text(replacement)}")
-        seen = set()
+        # an equality already checked as a replacement is not checked twice
+        seen = {sympy.Eq(s, r) for s, r in env.replacements.items() if s in self.bindings}
+        seen |= {sympy.Eq(r, s) for s, r in env.replacements.items() if s in self.bindings}
         for guard in env.guards:
             if guard.expr in seen:
                 continue
             seen.add(guard.expr)
-            self._compile(guard.expr, code)
-            code.append(_C.SG_CHECK)
+            self._check(guard.expr, code)
             words.append(self._text(guard.expr))
         for offset, expr in self.stride_checks:
+            self._equal(offset, expr, code)
+        return tuple(sorted(self.wild)), tuple(code), words
+
+    def _equal(self, offset: int, expr: Any, code: list[int]) -> None:
+        """The field at `offset` equals `expr`: a fused check where it is a constant
+        or another field."""
+        expr = sympy.sympify(expr)
+        if expr.is_Integer:
+            code += [_C.SG_CHECK_EQ_CONST, offset, int(expr)]
+        elif isinstance(expr, sympy.Symbol) and expr in self.bindings:
+            code += [_C.SG_CHECK_EQ_LOAD, offset, self.bindings[expr]]
+        else:
             code += [_C.SG_LOAD, offset]
             self._compile(expr, code)
             code += [_C.SG_EQ, _C.SG_CHECK]
-        return tuple(sorted(self.wild)), tuple(code), words
+
+    def _check(self, expr: Any, code: list[int]) -> None:
+        """`expr` holds: a fused check for `symbol <relation> constant` and
+        `symbol == symbol`, else the expression and CHECK."""
+        lhs, rhs = (expr.args if isinstance(expr, sympy.core.relational.Relational)
+                    else (None, None))
+        if isinstance(lhs, sympy.Symbol) and lhs in self.bindings:
+            offset = self.bindings[lhs]
+            if isinstance(expr, sympy.Eq):
+                self._equal(offset, rhs, code)
+                return
+            if rhs.is_Integer:
+                bound = int(rhs)
+                fused = {sympy.Ge: (_C.SG_CHECK_GE_CONST, bound),
+                         sympy.Gt: (_C.SG_CHECK_GE_CONST, bound + 1),
+                         sympy.Le: (_C.SG_CHECK_LE_CONST, bound),
+                         sympy.Lt: (_C.SG_CHECK_LE_CONST, bound - 1)}.get(type(expr))
+                if fused is not None:
+                    code += [fused[0], offset, fused[1]]
+                    return
+        self._compile(expr, code)
+        code.append(_C.SG_CHECK)
 
     def specialised(self) -> list[str]:
         """The symbols the capture fixed to one value (`int(L)`, `range(L)`), in
@@ -472,6 +508,13 @@ class SymbolicInputs:
         for operand in operands[1:]:
             self._compile(operand, code)
             code.append(opcode)
+
+
+def _within(inner: Any, outer: Any) -> bool:
+    """The value range `inner` lies inside `outer` (both ValueRanges, or None)."""
+    if inner is None or outer is None:
+        return outer is None
+    return bool(outer.lower <= inner.lower) and bool(inner.upper <= outer.upper)
 
 
 def _dense_order(sizes: list[int], strides: list[int]) -> Optional[list[int]]:
