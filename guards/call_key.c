@@ -1307,8 +1307,9 @@ call_key_layout(const unsigned char *data, size_t len)
                                  (Py_ssize_t)(start - data) + 1 + (Py_ssize_t)(sizeof(void *) + head),
                                  (Py_ssize_t)meta.ndim);
         }
-        else if (tag == TAG_INT) {
-            item = Py_BuildValue("(sn)", "int", (Py_ssize_t)(start - data) + 1);
+        else if (tag == TAG_INT || tag == TAG_FLOAT) {
+            item = Py_BuildValue("(sn)", tag == TAG_INT ? "int" : "float",
+                                 (Py_ssize_t)(start - data) + 1);
         }
         else {
             item = Py_BuildValue("(sn)", "other", (Py_ssize_t)(start - data));

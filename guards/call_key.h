@@ -75,7 +75,7 @@ PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pin
 
 /* Where the fields a dynamic entry may make symbolic lie (shape_guards.h): a tuple
  * with one item per argument value, ("tensor", offset of its sizes, ndim) for a
- * tensor read in C++ (its strides follow its sizes), ("int", offset) for an int,
+ * tensor read in C++ (its strides follow its sizes), ("int", offset) for an int, ("float", offset) for a float (a double),
  * ("other", offset of its record) for anything else.  Runs no Python; NULL with
  * an exception set (a malformed key). */
 PyObject *call_key_layout(const unsigned char *data, size_t len);

@@ -309,14 +309,14 @@ def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     first = 1 if self is not None else 0
     try:
         symbolic = dynamic.SymbolicInputs(fields, call_key, slots[first:], slot_names[first:])
-        if not symbolic.bindings:
+        if not symbolic.bindings and not symbolic.float_symbols:
             return None   # every chosen size is 0 or 1 in this call: a static capture
         logs.recaptures.info("%s: capturing with %s symbolic", where,
                              ", ".join(symbolic.origins.values()))
         reply = _capture(config, fn, code, self, slots, slot_names, bucket, key, where,
                          caller_depth, symbolic)
         fixed = symbolic.specialised()
-        if len(fixed) == len(symbolic.bindings):
+        if len(fixed) == len(symbolic.bindings) and not symbolic.float_symbols:
             # Every symbol was fixed to its value: symbolic captures of this forward
             # would only cost more. This one stands; later ones are static.
             dynamic.failed(bucket)

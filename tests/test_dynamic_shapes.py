@@ -445,3 +445,51 @@ def test_plan_ignores_subclasses_parameters_and_nested_tensors():
               (torch.randn(2),), 3)
     layout = _C.call_key_layout(_C.CallKey(*values))
     assert set(dynamic._symbolic_candidates(layout, values)) == {(3, None)}
+
+
+class TensorTimestep(nn.Module):
+    """diffusers' way: an int timestep made a tensor inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, t):
+        if not torch.is_tensor(t):
+            t = torch.tensor([t], dtype=torch.long, device=x.device)
+        t = t.expand(x.shape[0])
+        emb = torch.exp(-torch.arange(2) * 0.5)[None] * t[:, None].float()
+        return self.proj(x + torch.cat([emb.sin(), emb.cos()], -1))
+
+
+def test_an_int_made_tensor_data_stays_symbolic():
+    compiled, eager = _pair(TensorTimestep())
+    for t in range(999, 700, -23):   # 14 timesteps
+        _agree(compiled, eager, torch.randn(2, 4), t)
+    assert nnscaler.cache_info(compiled).captures == 2
+
+
+class FloatScale(nn.Module):
+    def forward(self, x, sigma: float):
+        return x * sigma + sigma * sigma / (sigma + 1.0)
+
+
+class FloatDecision(nn.Module):
+    def forward(self, x, sigma: float):
+        if sigma > 0.5:
+            return x * 2
+        return x * math.log(sigma)
+
+
+def test_float_arguments_used_in_arithmetic_become_inputs():
+    compiled, eager = _pair(FloatScale())
+    for sigma in [0.9, 0.8, 0.7, 0.3, 2.5, -1.5, 1e-3]:
+        _agree(compiled, eager, torch.randn(3), sigma)
+    assert nnscaler.cache_info(compiled).captures == 2
+
+
+def test_float_arguments_python_decides_on_stay_specialised():
+    compiled, eager = _pair(FloatDecision(), cache_size_limit=32)
+    for sigma in [0.9, 0.8, 0.3, 0.2, 0.9, 0.3]:
+        _agree(compiled, eager, torch.randn(3), sigma)
+    assert nnscaler.cache_info(compiled).captures == 4

@@ -59,7 +59,7 @@ import torch
 from torch._guards import GuardSource, Source
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+from torch.utils._sympy import functions as torch_sympy
 
 from nnscaler_eval import _C
 
@@ -112,6 +112,26 @@ def _dims_of(tensor: Any, dim: Any, what: str) -> set[int]:
     return out
 
 
+# torch's functions on symbolic numbers (they dispatch to a torch function mode).
+SYMBOLIC_MATH = frozenset(getattr(torch, name) for name in dir(torch)
+                          if name.startswith("sym_") and callable(getattr(torch, name)))
+
+# Torch calls whose first argument (after `self` for the method) is tensor *data*.
+DATA_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.scalar_tensor,
+                               torch.Tensor.new_tensor})
+
+
+def with_hints(value: Any) -> Any:
+    """`value` with every symbolic int, float and bool replaced by the value it had in
+    this run, without a guard (only for data a fake tensor does not hold)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.hint
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        items = [with_hints(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
 # --------------------------------------------------------------------------- the plan
 
 # bucket -> the fields that became symbolic for it (automatic dynamic remembers them
@@ -134,7 +154,7 @@ def _symbolic_candidates(layout: tuple, values: tuple) -> dict[Field, int]:
             _, offset, ndim = item
             for d in range(ndim):
                 fields[(index, d)] = offset + 8 * d
-        elif item[0] == "int" and type(value) is int:
+        elif item[0] in ("int", "float") and type(value) is (int if item[0] == "int" else float):
             fields[(index, None)] = item[1]
     return fields
 
@@ -156,7 +176,7 @@ def _differing(layout: tuple, data: bytes, other_layout: tuple, other: bytes,
             if sizes:
                 diff.update((index, d) for d in sizes)
                 ignored.update(offset + 8 * (ndim + d) for d in range(ndim))
-        elif item[0] == "int" and type(values[index]) is int:
+        elif item[0] in ("int", "float") and type(values[index]) in (int, float):
             if _i64(data, item[1]) != _i64(other, item[1]):
                 diff.add((index, None))
             ignored.add(item[1])
@@ -254,11 +274,12 @@ class SymbolicInputs:
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True,
                                         static_shapes=True)
         self.key_len = len(_C.call_key_bytes(call_key))
-        self.bindings: dict[sympy.Symbol, int] = {}     # symbol -> key offset
+        self.bindings: dict[sympy.Symbol, int] = {}     # int symbol -> key offset
+        self.float_symbols: set[sympy.Symbol] = set()   # float arguments' symbols
         self.origins: dict[sympy.Symbol, str] = {}      # symbol -> "x.size(1)", "n"
         self.wild: set[int] = set()
         self.stride_checks: list[tuple[int, Any]] = []  # (key offset, expression)
-        self.int_slots: dict[int, sympy.Symbol] = {}    # argument index -> its symbol
+        self.scalar_slots: dict[int, sympy.Symbol] = {}    # argument index -> its symbol
         self.sources: dict[sympy.Symbol, tuple[int, Optional[int]]] = {}
         self.symbol_nodes: dict[sympy.Symbol, Any] = {}
         self._emitted: dict[tuple[int, Any], Any] = {}
@@ -269,7 +290,9 @@ class SymbolicInputs:
             if not dims:
                 continue
             item = layout[index]
-            if None in dims:
+            if None in dims and type(value) is float:
+                fake[index] = self._float(index, value, item[1], names[index])
+            elif None in dims:
                 fake[index] = self._int(index, value, item[1], names[index])
             else:
                 fake[index] = self._tensor(index, value, dims, item[1], names[index])
@@ -283,9 +306,22 @@ class SymbolicInputs:
         self.bindings[symbol] = offset
         self.origins[symbol] = name
         self.wild.add(offset)
-        self.int_slots[index] = symbol
+        self.scalar_slots[index] = symbol
         self.sources[symbol] = (index, None)
         return self.shape_env.create_symintnode(symbol, hint=value)
+
+    def _float(self, index: int, value: float, offset: int, name: str) -> Any:
+        """A float argument: a graph input that arithmetic may use; any Python
+        decision on it, or a use needing its value, is not compiled (Unsupported:
+        the guard program works on ints), so such a forward is captured statically."""
+        symbol = self.shape_env.create_unspecified_symbol(value, ArgumentSource(name),
+                                                          dynamic_dim=DimDynamic.DYNAMIC)
+        self.float_symbols.add(symbol)
+        self.origins[symbol] = name
+        self.wild.add(offset)
+        self.scalar_slots[index] = symbol
+        self.sources[symbol] = (index, None)
+        return self.shape_env.create_symfloatnode(symbol, hint=value)
 
     def _tensor(self, index: int, tensor: torch.Tensor, dims: set[int], offset: int,
                 name: str) -> Any:
@@ -356,7 +392,9 @@ class SymbolicInputs:
             function, operands = _operation(expr)
             args = [self._emit(tracer, a) for a in operands]
             node = args[0]
-            if function is operator.neg or function is operator.not_:
+            if function is None:
+                pass
+            elif len(args) == 1:
                 node = tracer.create_node("call_function", function, (node,), {})
             else:
                 for arg in args[1:]:
@@ -379,6 +417,11 @@ class SymbolicInputs:
             raise Unsupported("the capture made runtime assertions on data-dependent sizes")
         code: list[int] = []
         words: list[str] = []
+        for symbol in self.float_symbols:
+            if symbol in env.replacements or any(symbol in g.expr.free_symbols
+                                                 for g in env.guards):
+                raise Unsupported(f"Python used the float argument {self.origins[symbol]} "
+                                  "as a value (a decision, math, int())")
         for symbol, offset in self.bindings.items():
             bounds = env.var_to_range.get(symbol)
             target = env.replacements.get(symbol)
@@ -500,7 +543,12 @@ class SymbolicInputs:
             code += [_C.SG_LOAD, offset]
             return
         function, operands = _operation(expr)
-        opcode = _OPCODES[function]
+        if function is None:
+            self._compile(operands[0], code)
+            return
+        opcode = _OPCODES.get(function)
+        if opcode is None:
+            raise Unsupported(f"a guard on {expr} is not integer arithmetic")
         self._compile(operands[0], code)
         if function in (operator.neg, operator.not_):
             code.append(opcode)
@@ -552,14 +600,9 @@ def _operation(expr: Any) -> tuple[Any, tuple]:
         if not (exponent.is_Integer and int(exponent) >= 0):
             raise Unsupported(f"a power that is not a natural number in {expr}")
         return operator.pow, expr.args
-    if isinstance(expr, FloorDiv):
-        return operator.floordiv, expr.args
-    if isinstance(expr, (Mod, PythonMod)):
-        return operator.mod, expr.args
-    if isinstance(expr, sympy.Max):
-        return builtins.max, expr.args
-    if isinstance(expr, sympy.Min):
-        return builtins.min, expr.args
+    for kinds, function in _TORCH_FUNCTIONS:
+        if isinstance(expr, kinds):
+            return function, expr.args
     for kind, function in _RELATIONS:
         if isinstance(expr, kind):
             return function, expr.args
@@ -571,6 +614,23 @@ def _operation(expr: Any) -> tuple[Any, tuple]:
         return operator.or_, expr.args
     raise Unsupported(f"cannot write {type(expr).__name__} ({expr}) into the graph")
 
+
+def _kinds(*names: str) -> tuple[type, ...]:
+    """torch's sympy functions by name (those this torch has)."""
+    return tuple(getattr(torch_sympy, n) for n in names if hasattr(torch_sympy, n))
+
+
+_TORCH_FUNCTIONS = (
+    (_kinds("FloorDiv", "CleanDiv"), operator.floordiv),
+    (_kinds("Mod", "PythonMod") + (sympy.Mod,), operator.mod),
+    (_kinds("Max") + (sympy.Max,), builtins.max),
+    (_kinds("Min") + (sympy.Min,), builtins.min),
+    (_kinds("PowByNatural", "FloatPow"), operator.pow),
+    (_kinds("FloatTrueDiv", "IntTrueDiv"), operator.truediv),
+    (_kinds("ToFloat"), float),
+    (_kinds("TruncToInt"), int),
+    (_kinds("Identity"), None),   # the value itself
+)
 
 _RELATIONS = ((sympy.Eq, operator.eq), (sympy.Ne, operator.ne), (sympy.Lt, operator.lt),
               (sympy.Le, operator.le), (sympy.Gt, operator.gt), (sympy.Ge, operator.ge))

@@ -265,9 +265,9 @@ class Tracer(TorchFunctionMode):
                                      location=self._forward_location())
                     return
         if self.symbolic is not None:
-            # Symbolic int arguments are graph inputs (after the tensors).
+            # Symbolic int and float arguments are graph inputs (after the tensors).
             first = len(self.slots) - len(self.symbolic.values)
-            for index, symbol in self.symbolic.int_slots.items():
+            for index, symbol in self.symbolic.scalar_slots.items():
                 node = self.nodes.placeholder(self.slot_names[first + index],
                                               self.symbolic.hint(symbol))
                 node.meta["nnscaler_input"] = InputPath(first + index, ())
@@ -557,6 +557,10 @@ class Tracer(TorchFunctionMode):
             return calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
         if not self.recording:
             return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if self.symbolic is not None and func in symbolic_shapes.SYMBOLIC_MATH:
+            # torch.sym_float(2), sym_max(L, 4): arithmetic on symbols and numbers, no
+            # tensor; its result is written into the graph where it is used.
+            return func(*args, **kwargs)
         if func in calls.STATE_CHANGES:  # e.g. set_grad_enabled(self.training): a branch
             return func(*[plain_value(a) for a in args], **kwargs)
         kind, target = calls.classify(func)
@@ -580,8 +584,13 @@ class Tracer(TorchFunctionMode):
             # fakes, so that no op touches real data (FakeTensorMode would run an
             # in-place op on a real buffer for real: `num_batches_tracked.add_(1)`).
             fake_mode = self.symbolic.fake_mode
-            result = func(*torch_cond.fakeify(quiet_plain(args), fake_mode),
-                          **torch_cond.fakeify(quiet_plain(kwargs), fake_mode))
+            call_args = torch_cond.fakeify(quiet_plain(args), fake_mode)
+            if func in symbolic_shapes.DATA_CONSTRUCTORS:
+                # A symbolic value as tensor *data* (`torch.tensor([t])`): the node
+                # takes the expression; a fake has no data, so the run takes any value
+                # (the hint) instead of specialising the symbol.
+                call_args = symbolic_shapes.with_hints(call_args)
+            result = func(*call_args, **torch_cond.fakeify(quiet_plain(kwargs), fake_mode))
         else:
             result = func(*quiet_plain(args), **quiet_plain(kwargs))
         try:
