@@ -100,3 +100,28 @@ def test_dead_modules_release_their_cache_entries():
         gc.collect()
         assert p() is None, "a dead module's parameters are still held by the cache"
     assert all(r() is None for r in refs)
+
+
+def test_dynamic_hits_and_shape_guards_do_not_leak():
+    """Hits on a dynamic entry at changing sizes (the masked compare and the guard
+    program each call), and entries made and dropped with shape guards."""
+    from nnscaler_eval import _C
+
+    m = nnscaler.compile(torch.nn.Linear(4, 4), dynamic=True)
+    xs = [torch.randn(n, 4) for n in range(2, 12)]
+
+    def workload():
+        with torch.no_grad():
+            for _ in range(2_000):
+                for x in xs:
+                    m(x)
+        for _ in range(2_000):
+            entry = _C.CacheEntry(None, [], [], (), None, ())
+            entry.set_shape_guards([0], [_C.SG_CHECK_GE_CONST, 0, 2], 16)
+            try:
+                entry.set_shape_guards([], [], 16)
+            except ValueError:
+                pass
+
+    assert_flat(workload)
+    assert nnscaler.cache_info(m).captures == 1
