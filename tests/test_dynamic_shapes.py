@@ -493,3 +493,21 @@ def test_float_arguments_python_decides_on_stay_specialised():
     for sigma in [0.9, 0.8, 0.3, 0.2, 0.9, 0.3]:
         _agree(compiled, eager, torch.randn(3), sigma)
     assert nnscaler.cache_info(compiled).captures == 4
+
+
+def test_the_log_says_which_size_was_specialised_and_where(caplog):
+    import logging
+
+    class M(nn.Module):
+        def forward(self, x):
+            n = int(x.shape[1])          # the value itself: specialised here
+            return x * n
+
+    compiled, eager = _pair(M())
+    with caplog.at_level(logging.INFO, logger="nnscaler.recaptures"):
+        for L in [3, 4, 5, 6]:
+            _agree(compiled, eager, torch.randn(2, L))
+    text = caplog.text
+    assert "capturing with x.size(1) symbolic" in text
+    assert "specialised: x.size(1) == 4" in text and "test_dynamic_shapes.py:" in text
+    assert nnscaler.cache_info(compiled).captures == 4   # static from then on

@@ -62,6 +62,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy import functions as torch_sympy
 
 from nnscaler_eval import _C
+from nnscaler_eval.tracing.locations import user_location
 
 # A field of the call key that can be symbolic: (argument index, dimension), or
 # (argument index, None) for an int argument.
@@ -276,6 +277,7 @@ class SymbolicInputs:
         self.key_len = len(_C.call_key_bytes(call_key))
         self.bindings: dict[sympy.Symbol, int] = {}     # int symbol -> key offset
         self.float_symbols: set[sympy.Symbol] = set()   # float arguments' symbols
+        self.uses: list[tuple[Any, tuple[str, int]]] = []   # values read: (symbols, line)
         self.origins: dict[sympy.Symbol, str] = {}      # symbol -> "x.size(1)", "n"
         self.wild: set[int] = set()
         self.stride_checks: list[tuple[int, Any]] = []  # (key offset, expression)
@@ -368,7 +370,7 @@ class SymbolicInputs:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The fake mode, and text and hashing of symbols specialising them."""
-        with self.fake_mode, specialising_text():
+        with self.fake_mode, specialising_text(self.uses):
             yield
 
     def graph_value(self, tracer: Any, value: Any) -> Any:
@@ -501,11 +503,9 @@ class SymbolicInputs:
         return out
 
     def _where(self, symbol: Any) -> str:
-        for guard in self.shape_env.guards:
-            if symbol in guard.expr.free_symbols:
-                location = getattr(guard, "sloc", None)
-                user = getattr(location, "maybe_user_loc", None) if location else None
-                return f" (at {user})" if user else ""
+        for symbols, (filename, lineno) in self.uses:
+            if symbol in symbols:
+                return f" (its value read at {filename}:{lineno})"
         return ""
 
     def _text(self, expr: Any) -> str:
@@ -646,14 +646,30 @@ _OPCODES = {
 
 
 @contextlib.contextmanager
-def specialising_text() -> Iterator[None]:
+def specialising_text(uses: Optional[list] = None) -> Iterator[None]:
     """While a dynamic capture runs: `str`, `repr`, `format` and `hash` of a symbolic
     int, float or bool give its value's, specialising it (a guard), as eager's value
-    would read.  Class attributes, restored on the way out (one capture at a time)."""
+    would read.  Every use that needs the value (those, `int()`, `__index__`, `bool()`)
+    appends (its symbols, the user's file:line) to `uses`, for the log of why a symbol
+    was specialised.  Class attributes, restored on the way out (one capture at a
+    time)."""
     saved = []
     for cls, plain in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
-        for name in ("__str__", "__repr__", "__format__", "__hash__"):
+        for name in ("__str__", "__repr__", "__format__", "__hash__", "__int__",
+                     "__index__", "__float__", "__bool__"):
             saved.append((cls, name, cls.__dict__.get(name, _MISSING)))
+        if uses is not None:
+            for name in ("__int__", "__index__", "__float__", "__bool__"):
+                original = cls.__dict__.get(name)
+                if original is None:
+                    continue
+
+                def noted(self: Any, _original: Any = original) -> Any:
+                    with contextlib.suppress(Exception):
+                        uses.append((self.node.expr.free_symbols, user_location()))
+                    return _original(self)
+
+                setattr(cls, name, noted)
 
         def text(self: Any, _plain: Any = plain) -> str:
             return str(_plain(self))
