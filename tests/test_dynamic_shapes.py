@@ -511,3 +511,14 @@ def test_the_log_says_which_size_was_specialised_and_where(caplog):
     assert "capturing with x.size(1) symbolic" in text
     assert "specialised: x.size(1) == 4" in text and "test_dynamic_shapes.py:" in text
     assert nnscaler.cache_info(compiled).captures == 4   # static from then on
+
+
+def test_an_aot_backend_compiles_the_symbolic_graph_once():
+    """torch.compile backends get the symbolic capture with fake inputs of its
+    ShapeEnv (aot_eager here; Inductor the same way, slower to compile)."""
+    compiled, eager = _pair(Attention(), backend="aot_eager")
+    for L in [6, 7, 9, 12, 20, 3]:
+        x = torch.randn(2, L, 16)
+        torch.testing.assert_close(compiled(x), eager(x))
+    info = nnscaler.cache_info(compiled)
+    assert info.captures == 2 and info.hits == 4, info

@@ -203,7 +203,7 @@ def _marked(values: tuple) -> tuple[set[Field], set[Field]]:
 
 def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[frozenset]:
     """The fields to make symbolic in this miss's capture, or None (a static one)."""
-    if config.dynamic is False or config.backend_fn is not None or bucket in _failed:
+    if config.dynamic is False or bucket in _failed:
         return None
     layout = _C.call_key_layout(call_key)
     if len(layout) != len(values):
