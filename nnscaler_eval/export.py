@@ -68,14 +68,65 @@ class _NnscalerCodeGen(fx.graph.CodeGen):
         return code
 
 
-def export(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
-    """Capture `module(*args, **kwargs)` into one GraphModule (see the module docstring)."""
-    result, _ = _capture_for_export(module, args, kwargs, "nnscaler.export()")
-    return _exported_module(result, module)
+def export(module: nn.Module, *args: Any, dynamic_dims: Optional[dict] = None,
+           **kwargs: Any) -> fx.GraphModule:
+    """Capture `module(*args, **kwargs)` into one GraphModule (see the module docstring).
+
+    `dynamic_dims` ({argument name: dimension or dimensions}), or `mark_dynamic` marks
+    on the tensors passed: those sizes are symbolic in the graph (`x.size(1)` nodes,
+    not constants; capture/dynamic.py).  A marked size the forward fixes to its value
+    raises ExportError naming it and the line that read it; the other conditions the
+    graph assumes are in `gm.meta["shape_guards"]`.
+    """
+    result, _ = _capture_for_export(module, args, kwargs, "nnscaler.export()",
+                                    dynamic_dims)
+    gm = _exported_module(result, module)
+    if "shape_guards" in result.graph_module.meta:
+        gm.meta["shape_guards"] = result.graph_module.meta["shape_guards"]
+    return gm
+
+
+def _symbolic_inputs(fn: Any, slots: tuple, slot_names: tuple, dynamic_dims: Optional[dict],
+                     where: str) -> Any:
+    """The fake arguments of a symbolic export, or None when nothing is marked."""
+    from nnscaler_eval import _C
+    from nnscaler_eval.capture import dynamic
+
+    values, names = slots[1:], slot_names[1:]
+    fields: set = set()
+    for name, dims in (dynamic_dims or {}).items():
+        if name not in names:
+            raise ValueError(f"nnscaler.export: dynamic_dims names {name!r}, which is not an "
+                             f"argument of {where} ({', '.join(names)})")
+        value = values[names.index(name)]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"nnscaler.export: dynamic_dims: {name!r} is a "
+                             f"{type(value).__name__}, not a tensor")
+        fields.update((names.index(name), d) for d in dynamic._dims_of(value, dims, "export"))
+    fields |= dynamic._marked(values)[0]
+    if not fields:
+        return None
+    if fn.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
+        raise ValueError(f"nnscaler.export: dynamic dimensions need a forward without "
+                         f"*args/**kwargs ({where})")
+    key = _C.CallKey(*values)
+    candidates = dynamic._symbolic_candidates(_C.call_key_layout(key), values)
+    for index, dim in sorted(fields, key=str):
+        if (index, dim) not in candidates:
+            raise ValueError(f"nnscaler.export: {names[index]} dimension {dim} cannot be "
+                             "symbolic (only sizes of plain tensor arguments can)")
+    symbolic = dynamic.SymbolicInputs(frozenset(fields), key, values, names)
+    for index, dim in fields:
+        if values[index].shape[dim] in (0, 1):
+            raise ExportError(f"nnscaler.export: {names[index]}.size({dim}) is "
+                              f"{values[index].shape[dim]} in the example: sizes 0 and 1 are "
+                              "never symbolic; export with an example of size 2 or more", None)
+    return symbolic
 
 
 def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        caller: str) -> tuple[Capture, inspect.BoundArguments]:
+                        caller: str, dynamic_dims: Optional[dict] = None
+                        ) -> tuple[Capture, inspect.BoundArguments]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} takes an nn.Module, got {type(module).__name__}")
     from nnscaler_eval.eval_frame import enable
@@ -91,6 +142,10 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     bound.apply_defaults()
     slots = _slots(fn, bound)
     slot_names = tuple(fn.__code__.co_varnames[: len(slots)])
+    symbolic = _symbolic_inputs(fn, slots, slot_names, dynamic_dims, where)
+    if symbolic is not None:
+        slots = slots[:1] + symbolic.values
+    from nnscaler_eval.capture import dynamic
     try:
         # Rewrite mode: submodule forwards, inlined by the tracer, run rewritten too.
         with enable():
@@ -99,11 +154,27 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 slots,
                 slot_names,
                 root=module,
-                fullgraph=True,
-                call=lambda: fn(*bound.args, **bound.kwargs),
+                fullgraph=symbolic is None,
+                call=((lambda: fn(*slots)) if symbolic is not None
+                      else (lambda: fn(*bound.args, **bound.kwargs))),
+                symbolic=symbolic,
             )
     except GraphBreakError as exc:
         raise _export_error(where, exc.fallback) from None
+    except dynamic.Unsupported as exc:
+        raise ExportError(f"nnscaler.export: {where} cannot be captured with symbolic "
+                          f"sizes: {exc}", None) from None
+    if symbolic is not None:
+        fixed = symbolic.specialised()
+        if fixed:
+            raise ExportError(f"nnscaler.export: {where}: a dimension marked dynamic was "
+                              f"fixed to its value: {'; '.join(fixed)}", None)
+        try:
+            _, _, words = symbolic.guard_program()
+        except dynamic.Unsupported as exc:
+            raise ExportError(f"nnscaler.export: {where}: {exc}", None) from None
+        if result.graph_module is not None:
+            result.graph_module.meta["shape_guards"] = words
     if result.fallback is not None or result.graph_module is None:
         raise _export_error(where, result.fallback)
     if result.state_writes:

@@ -522,3 +522,25 @@ def test_an_aot_backend_compiles_the_symbolic_graph_once():
         torch.testing.assert_close(compiled(x), eager(x))
     info = nnscaler.cache_info(compiled)
     assert info.captures == 2 and info.hits == 4, info
+
+
+def test_export_keeps_marked_dimensions_symbolic():
+    model = Attention()
+    gm = nnscaler.export(model, torch.randn(2, 8, 16), dynamic_dims={"x": 1})
+    assert "x.size(1)" in gm.code and "view(2, size" in gm.code
+    assert "x.size(1) <= 32" in gm.meta["shape_guards"]
+    for L in [3, 8, 20]:
+        x = torch.randn(2, L, 16)
+        torch.testing.assert_close(gm(x), model(x))
+    x = torch.randn(2, 8, 16)
+    nnscaler.mark_dynamic(x, 0)
+    assert "x.size(0)" in nnscaler.export(model, x).code
+
+
+def test_export_says_which_marked_dimension_was_fixed():
+    with pytest.raises(nnscaler.ExportError, match=r"x.size\(2\) == 16"):
+        nnscaler.export(Attention(), torch.randn(2, 8, 16), dynamic_dims={"x": 2})
+    with pytest.raises(ValueError, match="not an argument"):
+        nnscaler.export(Attention(), torch.randn(2, 8, 16), dynamic_dims={"y": 0})
+    with pytest.raises(nnscaler.ExportError, match="sizes 0 and 1"):
+        nnscaler.export(Attention(), torch.randn(1, 8, 16), dynamic_dims={"x": 0})
