@@ -353,11 +353,11 @@ class SymbolicInputs:
             sym_strides[d] = expected
             expected = expected * sym_sizes[d]
         for d in range(ndim):
-            self.wild.add(offset + 8 * (ndim + d))
             stride = sym_strides[d]
-            self.stride_checks.append(
-                (offset + 8 * (ndim + d),
-                 stride.node.expr if isinstance(stride, torch.SymInt) else int(stride)))
+            if isinstance(stride, torch.SymInt):
+                self.wild.add(offset + 8 * (ndim + d))
+                self.stride_checks.append((offset + 8 * (ndim + d), stride.node.expr))
+            # else a constant (the innermost 1): compared with the key's bytes
         with self.fake_mode:
             fake = torch.empty_strided(sym_sizes, sym_strides, dtype=tensor.dtype,
                                        device=tensor.device)
