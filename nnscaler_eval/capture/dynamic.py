@@ -41,7 +41,13 @@ owner's later captures; `dynamic=True` makes every dimension of the tensor argum
 and every int argument symbolic from the first capture; `mark_dynamic` /
 `mark_static` (ours or `torch._dynamo`'s: the same attributes) mark single
 dimensions.  Only top-level arguments are made symbolic: plain tensors (not
-parameters, not subclasses) and ints; tensors nested in containers stay static.
+parameters, not subclasses), ints, and floats (graph inputs for arithmetic only: a
+Python decision on a float is a float guard, which the int program cannot check, so
+such a forward stays static); tensors nested in containers stay static.
+
+Backends: the eager runner reads sizes on every call; a torch.compile backend gets
+the graph with these fake inputs (their ShapeEnv), compiles it once, and the guards it
+adds while compiling are in the program, which is built after it.
 """
 
 from __future__ import annotations
