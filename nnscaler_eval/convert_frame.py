@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs
-from nnscaler_eval.capture import dynamic
+from nnscaler_eval.capture import dynamic, training
 from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
@@ -288,7 +288,11 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
         _make_entry(config, skipped, code, self, key, where)   # logs and explain() see it
         _add_eager_types(bucket, {at_fault}, str(fallback))
         return RUN_EAGERLY, None
-    fields = dynamic.plan(config, bucket, call_key, slots[first:])
+    try:
+        fields = dynamic.plan(config, bucket, call_key, slots[first:])
+    except Exception as exc:   # our own failure: a static capture, as before
+        logs.recaptures.info("%s: no dynamic plan (%r)", where, exc)
+        fields = None
     if fields is not None:
         reply = _capture_symbolic(config, fn, code, self, slots, slot_names, bucket, key,
                                   call_key, where, caller_depth, fields)
@@ -307,6 +311,9 @@ def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     symbolically (the caller captures it statically, and the bucket's later misses
     too)."""
     first = 1 if self is not None else 0
+    # The forward runs on fakes: what it writes into module state (a cache keyed by
+    # length) holds fakes.  A capture that fails puts the tree's state back first.
+    saved = training.tree_state(self) if isinstance(self, torch.nn.Module) else []
     try:
         symbolic = dynamic.SymbolicInputs(fields, call_key, slots[first:], slot_names[first:])
         if not symbolic.bindings and not symbolic.float_symbols:
@@ -329,6 +336,7 @@ def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         raise
     except Exception as exc:   # fake tensors refused an op, a data-dependent size...
         reason = f"{type(exc).__name__}: {exc}"
+    training.restore_tree_state(saved)
     dynamic.failed(bucket)
     logs.recaptures.info("%s: sizes stay static (dynamic capture failed: %s)", where, reason)
     return None

@@ -544,3 +544,32 @@ def test_export_says_which_marked_dimension_was_fixed():
         nnscaler.export(Attention(), torch.randn(2, 8, 16), dynamic_dims={"y": 0})
     with pytest.raises(nnscaler.ExportError, match="sizes 0 and 1"):
         nnscaler.export(Attention(), torch.randn(1, 8, 16), dynamic_dims={"x": 0})
+
+
+class CachesByLength(nn.Module):
+    """A per-length cache in module state: the symbolic capture meets a write it
+    cannot replay, after the forward stored a fake in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+        self.seen = []
+
+    def forward(self, x):
+        L = x.shape[0]
+        if L > 4:
+            if L not in self.cache:
+                self.cache[L] = torch.arange(L, dtype=x.dtype)
+            self.seen.append(L)
+            return x + self.cache[L]
+        return x * 2
+
+
+def test_a_failed_symbolic_capture_leaves_no_fake_in_module_state():
+    compiled, eager = _pair(CachesByLength(), cache_size_limit=32)
+    for n in [2, 3, 6, 7, 6, 3]:
+        _agree(compiled, eager, torch.randn(n))
+    assert compiled.seen == eager.seen
+    assert compiled.cache.keys() == eager.cache.keys()
+    for value in compiled.cache.values():
+        assert type(value) is torch.Tensor   # a real tensor, not a fake

@@ -266,6 +266,33 @@ def _module_state(module: nn.Module) -> dict[str, tuple[Any, Any]]:
     return state
 
 
+def tree_state(root: nn.Module) -> list[tuple[nn.Module, dict[str, tuple[Any, Any]]]]:
+    """`_module_state` of every module of `root`'s tree (restore_tree_state)."""
+    return [(module, _module_state(module)) for module in root.modules()]
+
+
+def restore_tree_state(saved: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]]) -> None:
+    """Put each module's attributes, and the contents of its container attributes one
+    level deep, back as `tree_state` saw them (a symbolic capture that failed after
+    the forward wrote module state with fake values: a cache keyed by length)."""
+    for module, state in saved:
+        current = module.__dict__
+        for name in [n for n in current if n not in state and n != "training"]:
+            del current[name]
+        for name, (value, contents) in state.items():
+            current[name] = value
+            if isinstance(value, dict) and contents is not None:
+                if tuple(value.items()) != contents:
+                    value.clear()
+                    value.update(contents)
+            elif isinstance(value, list) and contents is not None:
+                if tuple(value) != contents:
+                    value[:] = contents
+            elif isinstance(value, set) and contents is not None:
+                value.clear()
+                value.update(contents)
+
+
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 
 
