@@ -3,6 +3,7 @@ expressions, run train and eval steps on CPU, and print what was captured, guard
 and measured."""
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -126,6 +127,20 @@ def main() -> None:
     info = nnscaler.cache_info(model)
     print(f"  cache: {info}")
     print("  (train and eval share one graph per grad mode: the training flag is a graph input)")
+
+    print("\n== sequence lengths that vary: one symbolic capture serves them (eval, no_grad)")
+    lengths = [12, 20, 7, 31, 16, 25, 9]
+    varying = nnscaler.compile(copy.deepcopy(eager).eval())
+    eager.eval()
+    with torch.no_grad():
+        worst = 0.0
+        for length in lengths:
+            ids = torch.randint(0, 128, (4, length))
+            tgt = torch.randint(0, 128, (4, length))
+            worst = max(worst, abs(varying(ids, tgt) - eager(ids, tgt)).item())
+    print(f"  lengths {lengths}: {nnscaler.cache_info(varying)}, max diff {worst:.2e}")
+    print("  (the first length is captured as it is; the second makes idx.size(1) and "
+          "targets.size(1) symbolic)")
 
     print("\n== what was captured and guarded (nnscaler.explain)")
     report = nnscaler.explain(model.train(), idx, targets)
