@@ -450,10 +450,19 @@ entry_set_shape_guards(CacheEntry *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "set_shape_guards: negative key length");
         return NULL;
     }
-    self->shapes = shape_guards_new(wild, code, (size_t)key_len);
-    if (self->shapes == NULL) {
+    ShapeGuards *shapes = shape_guards_new(wild, code, (size_t)key_len);
+    if (shapes == NULL) {
         return NULL;
     }
+    /* Reading the ints ran Python (__index__), which may have stored the entry or
+     * given it guards meanwhile: checked again, nothing overwritten. */
+    if (self->key != NULL || self->shapes != NULL) {
+        shape_guards_free(shapes);
+        PyErr_SetString(PyExc_ValueError,
+                        "set_shape_guards: the entry is stored, or has shape guards already");
+        return NULL;
+    }
+    self->shapes = shapes;
     Py_RETURN_NONE;
 }
 

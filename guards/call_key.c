@@ -1149,6 +1149,18 @@ rd_value(Reader *r, int depth)
     }
 }
 
+/* A reader over `data[0..len)`: describing (pins borrowed, or NULL: nothing is held or
+ * dereferenced) or collecting the addresses the key pins. */
+static void
+reader_open(Reader *r, const unsigned char *data, size_t len, int describing, PyObject *pins)
+{
+    memset(r, 0, sizeof(*r));
+    r->p = data;
+    r->end = data + len;
+    r->describing = describing;
+    r->pins = pins;
+}
+
 static void
 reader_free(Reader *r)
 {
@@ -1197,9 +1209,7 @@ int
 call_key_pin_from_bytes(CallKey *key)
 {
     Reader r;
-    memset(&r, 0, sizeof(r));
-    r.p = key->data;
-    r.end = key->data + key->len;
+    reader_open(&r, key->data, key->len, 0, NULL);
     rd_grad(&r);
     /* Nothing below runs Python nor allocates a Python object: every address is
      * still the object the build read there, and is held before anything can run. */
@@ -1219,11 +1229,7 @@ PyObject *
 call_key_describe(const unsigned char *data, size_t len, PyObject *pins, PyObject *names)
 {
     Reader r;
-    memset(&r, 0, sizeof(r));
-    r.p = data;
-    r.end = data + len;
-    r.describing = 1;
-    r.pins = pins;
+    reader_open(&r, data, len, 1, pins);
     PyObject *lines = PyList_New(0);   /* owned */
     PyObject *result = NULL;
     if (lines == NULL) {
@@ -1281,10 +1287,7 @@ PyObject *
 call_key_layout(const unsigned char *data, size_t len)
 {
     Reader r;
-    memset(&r, 0, sizeof(r));
-    r.p = data;
-    r.end = data + len;
-    r.describing = 1;
+    reader_open(&r, data, len, 1, NULL);
     PyObject *items = PyList_New(0);   /* owned */
     PyObject *result = NULL;
     if (items == NULL) {

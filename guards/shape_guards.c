@@ -2,14 +2,20 @@
 #include "shape_guards.h"
 #include <string.h>
 
+/* The ints of `seq`, read from a tuple snapshot: an item's __index__ may run Python
+ * that changes `seq` (a list) under the loop. */
 static int
 read_int64s(PyObject *seq, const char *what, int64_t **out, Py_ssize_t *n_out)
 {
-    PyObject *fast = PySequence_Fast(seq, what);
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "%s, not %.100s", what, Py_TYPE(seq)->tp_name);
+        return -1;
+    }
+    PyObject *fast = PySequence_Tuple(seq);
     if (fast == NULL) {
         return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     int64_t *v = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
     if (v == NULL) {
         Py_DECREF(fast);
@@ -17,7 +23,7 @@ read_int64s(PyObject *seq, const char *what, int64_t **out, Py_ssize_t *n_out)
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long x = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        long long x = PyLong_AsLongLong(PyTuple_GET_ITEM(fast, i));
         if (x == -1 && PyErr_Occurred()) {
             PyMem_Free(v);
             Py_DECREF(fast);
@@ -123,8 +129,8 @@ shape_guards_new(PyObject *wild, PyObject *code, size_t key_len)
         return NULL;
     }
     g->key_len = key_len;
-    if (read_int64s(wild, "shape guards: wild must be a sequence", &g->wild, &g->n_wild) < 0 ||
-        read_int64s(code, "shape guards: code must be a sequence", &g->code, &g->n_code) < 0 ||
+    if (read_int64s(wild, "shape guards: wild must be a list or tuple", &g->wild, &g->n_wild) < 0 ||
+        read_int64s(code, "shape guards: code must be a list or tuple", &g->code, &g->n_code) < 0 ||
         validate(g) < 0) {
         shape_guards_free(g);
         return NULL;

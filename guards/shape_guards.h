@@ -45,8 +45,9 @@ typedef struct {
     size_t key_len;           /* the length every matching key has */
 } ShapeGuards;
 
-/* Validated guards from `wild` (a sequence of int offsets) and `code` (a sequence of
- * int), for keys of `key_len` bytes.  NULL with ValueError naming what is wrong. */
+/* Validated guards from `wild` (a list or tuple of int offsets) and `code` (a list or
+ * tuple of int), for keys of `key_len` bytes.  NULL with ValueError naming what is
+ * wrong.  Runs Python: the items' __index__ (both are read from tuple snapshots). */
 ShapeGuards *shape_guards_new(PyObject *wild, PyObject *code, size_t key_len);
 void shape_guards_free(ShapeGuards *guards);
 

@@ -573,3 +573,104 @@ def test_a_failed_symbolic_capture_leaves_no_fake_in_module_state():
     assert compiled.cache.keys() == eager.cache.keys()
     for value in compiled.cache.values():
         assert type(value) is torch.Tensor   # a real tensor, not a fake
+
+
+# ------------------------------------------------ Python in the middle of the C paths
+
+
+class _Meddling:
+    """An int whose __index__ runs Python first (what the program reader calls)."""
+
+    def __init__(self, value, meddle):
+        self.value, self.meddle = value, meddle
+
+    def __index__(self):
+        self.meddle()
+        return self.value
+
+
+def test_program_reader_survives_a_list_emptied_by_index():
+    layout = _C.call_key_layout(_C.CallKey(5, 5))
+    a, b = layout[0][1], layout[1][1]
+    wild: list = []
+    wild += [_Meddling(a, wild.clear), b]       # the first item empties its own list
+    code: list = []
+    code += [_C.SG_CHECK_EQ_LOAD, _Meddling(a, code.clear), b]
+    # each list is read from a snapshot: emptying it meanwhile changes nothing
+    assert _C.shape_guards_match(_key(5, 5), _key(6, 6), wild, code)
+    assert not _C.shape_guards_match(_key(5, 5), _key(6, 7), [a, b], [_C.SG_CHECK_EQ_LOAD, a, b])
+    assert wild == [] and code == []
+
+
+def test_set_shape_guards_reentered_from_index_overwrites_nothing():
+    entry = _C.CacheEntry(None, [], [], (), None, ())
+    inner = [_C.SG_CONST, 1, _C.SG_CHECK]
+    reenter = _Meddling(1, lambda: entry.set_shape_guards([], inner, 16))
+    with pytest.raises(ValueError, match="already"):
+        entry.set_shape_guards([], [_C.SG_CONST, reenter, _C.SG_CHECK], 16)
+    assert entry.shape_guards == ((), tuple(inner))   # the inner call's, not leaked over
+
+
+RESET_DURING_A_DYNAMIC_HIT = r"""
+import gc, torch, nnscaler
+
+class Flaky(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.meddle = False
+
+    @property
+    def training(self):
+        # read by the guards after a key matched the dynamic entry's symbolic fields
+        if self.__dict__.get("meddle"):
+            nnscaler.reset()
+            gc.collect()
+        return self.__dict__.get("_t", True)
+
+    @training.setter
+    def training(self, value):
+        self.__dict__["_t"] = value
+
+    def forward(self, x):
+        return x * x.shape[0] if self.training else x + 1
+
+m = nnscaler.compile(Flaky(), dynamic=True)
+for n, meddle in ((3, False), (4, False), (5, True), (6, True), (7, False), (8, True)):
+    m.meddle = meddle
+    x = torch.arange(float(n))
+    assert torch.equal(m(x), x * n), (n, m(x))
+print("ok")
+"""
+
+
+def test_reset_while_a_dynamic_entry_checks_its_guards():
+    from test_hardening import run_script
+
+    assert run_script(RESET_DURING_A_DYNAMIC_HIT).stdout.strip().endswith("ok")
+
+
+class _Noisy(torch.Tensor):
+    """A subclass whose __torch_function__ drops the model's caches mid-call."""
+
+    victim = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.victim is not None:
+            nnscaler.reset()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_subclass_resetting_caches_mid_capture_keeps_answers_right():
+    compiled, eager = _pair(Attention())
+    for L in [6, 7, 9]:
+        _agree(compiled, eager, torch.randn(2, L, 16))
+    _Noisy.victim = compiled
+    try:
+        for L in [10, 11]:
+            x = torch.randn(2, L, 16)
+            got = compiled(x.as_subclass(_Noisy)).as_subclass(torch.Tensor)
+            torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
+    finally:
+        _Noisy.victim = None
+    _agree(compiled, eager, torch.randn(2, 12, 16))
