@@ -90,7 +90,9 @@ def test_reset_and_module_deletion_during_the_call_key():
     assert out.stdout.strip().endswith("ok")
 
 
-RESET_FROM_TRAINING = r"""
+# A module whose `training` property resets every cache when `meddle` is set: the
+# guards and the runner read it on a hit (test_dynamic_shapes uses it too).
+FLAKY = r"""
 import gc, torch, nnscaler
 
 class Flaky(torch.nn.Module):
@@ -108,9 +110,10 @@ class Flaky(torch.nn.Module):
     @training.setter
     def training(self, value):
         self.__dict__["_t"] = value
+"""
 
-    def forward(self, x):
-        return x * 2 if self.training else x + 1
+RESET_FROM_TRAINING = FLAKY + r"""
+Flaky.forward = lambda self, x: x * 2 if self.training else x + 1
 
 m = nnscaler.compile(Flaky())
 x = torch.arange(3.0)
