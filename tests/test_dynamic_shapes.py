@@ -575,6 +575,47 @@ def test_a_failed_symbolic_capture_leaves_no_fake_in_module_state():
         assert type(value) is torch.Tensor   # a real tensor, not a fake
 
 
+_MEANWHILE: list = []   # what "another thread" does while a capture runs
+
+
+class HooksChangeMeanwhile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.unused = nn.Identity()
+
+    def forward(self, x):
+        while _MEANWHILE:
+            _MEANWHILE.pop(0)()
+        return self.fc(x)
+
+
+def test_a_failed_symbolic_capture_keeps_hooks_changed_meanwhile():
+    """Another thread (stood in for by the forward) removes a hook and adds one while
+    the symbolic capture runs; the capture then aborts at the newly hooked module, and
+    putting module state back must leave the hook tables as they are now."""
+    net = HooksChangeMeanwhile()
+    ran = []
+    old = net.unused.register_forward_hook(lambda *a: ran.append("old"))
+    compiled = nnscaler.compile(net)
+    compiled(torch.randn(2, 4))
+    compiled(torch.randn(3, 4))
+    added = []
+    _MEANWHILE[:] = [old.remove,
+                     lambda: added.append(net.fc.register_forward_hook(
+                         lambda *a: ran.append("fc")))]
+    try:
+        compiled(torch.randn(5, 4))
+    finally:
+        _MEANWHILE.clear()
+    assert len(net.unused._forward_hooks) == 0   # not brought back
+    assert len(net.fc._forward_hooks) == 1       # not dropped
+    ran.clear()
+    compiled(torch.randn(6, 4))
+    assert ran == ["fc"]
+    added[0].remove()
+
+
 # ------------------------------------------------ Python in the middle of the C paths
 
 

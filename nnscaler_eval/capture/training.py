@@ -271,15 +271,24 @@ def tree_state(root: nn.Module) -> list[tuple[nn.Module, dict[str, tuple[Any, An
     return [(module, _module_state(module)) for module in root.modules()]
 
 
+# nn.Module's hook tables: other threads register and remove hooks on a shared module
+# while a capture runs, and a forward does not keep state there.  Putting one back as
+# it was would bring back a hook removed meanwhile, or drop one added.
+_HOOK_TABLES = frozenset(name for name in nn.Module().__dict__ if "hook" in name)
+
+
 def restore_tree_state(saved: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]]) -> None:
     """Put each module's attributes, and the contents of its container attributes one
     level deep, back as `tree_state` saw them (a symbolic capture that failed after
-    the forward wrote module state with fake values: a cache keyed by length)."""
+    the forward wrote module state with fake values: a cache keyed by length).  The
+    hook tables stay as they are now (_HOOK_TABLES)."""
     for module, state in saved:
         current = module.__dict__
         for name in [n for n in current if n not in state and n != "training"]:
             del current[name]
         for name, (value, contents) in state.items():
+            if name in _HOOK_TABLES and current.get(name) is value:
+                continue
             current[name] = value
             if isinstance(value, dict) and contents is not None:
                 if tuple(value.items()) != contents:
