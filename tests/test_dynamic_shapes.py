@@ -149,6 +149,22 @@ def test_python_decisions_on_sizes_agree_with_eager():
         _agree(compiled, eager, torch.randn(2, L))
 
 
+class SqueezeThenUseTheSize(nn.Module):
+    """squeeze() drops a dimension only when it is 1: torch's "size-oblivious" rule
+    (the general case assumed, as torch.export's backed_size_oblivious) would bake the
+    general shape into `y.shape[0]` and get size 1 wrong."""
+
+    def forward(self, x, y):
+        s = x.squeeze()
+        return s.reshape(-1) * s.shape[0], x + y
+
+
+def test_size_one_is_decided_not_assumed():
+    compiled, eager = _pair(SqueezeThenUseTheSize(), cache_size_limit=64)
+    for n, m in [(3, 3), (4, 4), (1, 1), (1, 5), (5, 1), (2, 2), (1, 1), (6, 6)]:
+        _agree(compiled, eager, torch.randn(n, 2), torch.randn(m, 2))
+
+
 class TwoInputs(nn.Module):
     def forward(self, x, y):
         return (x + y).expand(3, *x.shape).repeat(1, 2, 1)
