@@ -33,6 +33,7 @@ from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import adopt_region_bucket
+from nnscaler_eval.runners.backends import PerSizeCompiled
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
 
@@ -60,6 +61,9 @@ class EntryInfo:
     symbols: list = field(default_factory=list)
     shape_guards: list = field(default_factory=list)
     symbolic_ok: bool = False   # the capture could be made again on fake inputs
+    # why the backend compiles this dynamic entry once per size (it refused symbolic
+    # inputs), or None
+    per_size: Optional[str] = None
 
     @property
     def graph_code(self) -> str:
@@ -174,41 +178,62 @@ _backend_failures_warned: "weakref.WeakKeyDictionary[Any, set[tuple[int, str]]]"
     weakref.WeakKeyDictionary()
 
 
-def _compile_runner(config: Any, capture: Any, code: Any,
-                    where: str) -> tuple[Callable[..., Any], list[tuple[Any, bool]]]:
-    """The runner for this capture and the extra flag guards it needs.
+def _backend_failed(config: Any, code: Any, where: str, exc: Exception) -> None:
+    """The backend failed on this capture: fullgraph raises; else one warning per
+    code and failure, and the caller runs the graph with the eager backend."""
+    if config.fullgraph:
+        raise RuntimeError(
+            f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    failure = (id(config.backend_fn), f"{type(exc).__name__}: {exc}")
+    warned = _backend_failures_warned.setdefault(code, set())
+    if failure not in warned:
+        warned.add(failure)
+        warn_at_user(
+            f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
+            f"({type(exc).__name__}: {exc}); running the captured graph with the "
+            f"eager backend instead"
+        )
+
+
+def _compile_runner(config: Any, capture: Any, code: Any, where: str,
+                    symbolic: bool = False) -> tuple[Callable[..., Any], list[tuple[Any, bool]],
+                                                     Optional[str]]:
+    """The runner for this capture, the extra flag guards it needs, and why the
+    backend compiles it per size (None: it does not).
 
     "eager": the graph as generated Python; training flags stay graph inputs.  Any
     other backend gets the graph with the flags folded to this run's values (AOT
     backends bake non-tensor inputs in anyway), so each such flag is guarded by value.
+    A backend that refuses a dynamic capture's symbolic inputs compiles it per size.
     """
     if config.backend_fn is None:
-        return capture.make_runner(), []
+        return capture.make_runner(), [], None
     gm, example_inputs = capture.backend_graph()
+    per_size = None
     try:
         compiled = config.backend_fn(gm, example_inputs)
         if not callable(compiled):
             raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
-        if config.fullgraph:
-            raise RuntimeError(
-                f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        failure = (id(config.backend_fn), f"{type(exc).__name__}: {exc}")
-        warned = _backend_failures_warned.setdefault(code, set())
-        if failure not in warned:
-            warned.add(failure)
-            warn_at_user(
-                f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
-                f"({type(exc).__name__}: {exc}); running the captured graph with the "
-                f"eager backend instead"
-            )
-        return capture.make_runner(), []
+        if symbolic:
+            refusal = f"{type(exc).__name__}: {exc}"
+            logs.recaptures.info("%s: backend %r refused symbolic inputs (%s); compiled "
+                                 "per size", where, config.backend_name, refusal)
+            compiled = per_size = PerSizeCompiled(
+                config.backend_fn, gm, config.cache_size_limit, refusal,
+                lambda message: warn_at_user(
+                    f"nnscaler: backend {config.backend_name!r} compiles {where} per size: "
+                    f"{message}"))
+        else:
+            _backend_failed(config, code, where, exc)
+            return capture.make_runner(), [], None
     n_tensors = len(example_inputs)
     flags = capture.example_inputs()[n_tensors:]
     folded = [(module, bool(value)) for module, value in zip(capture.training_inputs, flags)]
-    return capture.make_runner(compiled, training_folded=True), folded
+    return (capture.make_runner(compiled, training_folded=True), folded,
+            per_size.refusal if per_size is not None else None)
 
 
 def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
@@ -587,11 +612,13 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
     if capture.graph_module is not None:
         release_source_with(capture.graph_module)
     folded_flags: list[tuple[Any, bool]] = []
+    per_size: Optional[str] = None
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
         runner = None
     else:
-        runner, folded_flags = _compile_runner(config, capture, code, where)
+        runner, folded_flags, per_size = _compile_runner(config, capture, code, where,
+                                                          symbolic is not None)
         runner_code = getattr(runner, "__code__", None)
         if runner_code is not None:
             _C.mark_skip(runner_code)
@@ -613,6 +640,7 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
         wild, program, words = symbolic.guard_program()
         info.symbols = symbolic.symbols_in_words()
         info.shape_guards = words
+        info.per_size = per_size
     # A capture that ran nothing for real and replays no write can be made again on
     # fake inputs (automatic dynamic, capture/dynamic.py).
     info.symbolic_ok = runner is not None and not capture.runner_spec.state_writes and all(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import warnings
 import struct
 
 import pytest
@@ -538,6 +539,46 @@ def test_an_aot_backend_compiles_the_symbolic_graph_once():
         torch.testing.assert_close(compiled(x), eager(x))
     info = nnscaler.cache_info(compiled)
     assert info.captures == 2 and info.hits == 4, info
+
+
+class ViewBySize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, k):
+        return self.fc(x).view(x.shape[0], 2, 2) * x.shape[0] + k
+
+
+def _concrete_only(compiled_sizes, fail_on=()):
+    def backend(gm, examples):
+        sizes = tuple(tuple(e.shape) if isinstance(e, torch.Tensor) else e for e in examples)
+        if any(isinstance(v, (torch.SymInt, torch.SymFloat))
+               for v in torch.utils._pytree.tree_leaves(sizes)):
+            raise ValueError("this backend needs concrete sizes")
+        if sizes[0][0] in fail_on:
+            raise RuntimeError(f"refuses {sizes[0]}")
+        compiled_sizes.append(sizes)
+        return gm.forward
+    return backend
+
+
+def test_a_backend_refusing_symbolic_inputs_compiles_per_size_without_recapture():
+    compiled_sizes: list = []
+    compiled, eager = _pair(ViewBySize(), backend=_concrete_only(compiled_sizes, fail_on=(9,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n, k in [(3, 2), (5, 3), (7, 3), (5, 3), (7, 4), (9, 4), (9, 4), (2, 5)]:
+            _agree(compiled, eager, torch.randn(n, 4), k)
+    assert nnscaler.cache_info(compiled).captures == 2     # one static, one symbolic
+    shapes = [s[0] for s in compiled_sizes]
+    assert shapes.count((5, 4)) == 1 and shapes.count((7, 4)) == 2   # per size and int
+    messages = [str(w.message) for w in caught]
+    assert sum("per size" in m and "(9, 4)" in m for m in messages) == 1, messages
+    text = str(nnscaler.explain(nnscaler.compile(ViewBySize(), dynamic=True,
+                                                 backend=_concrete_only([])),
+                                torch.randn(6, 4), 1))
+    assert "compiles it once per size" in text and "needs concrete sizes" in text
 
 
 def test_export_keeps_marked_dimensions_symbolic():

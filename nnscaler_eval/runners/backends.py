@@ -83,3 +83,56 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
 
 # Names this project implements itself; everything else comes from torch's registry.
 BUILTIN_BACKENDS: dict[str, Callable[..., Any]] = {"cudagraphs": cudagraphs}
+
+
+class PerSizeCompiled:
+    """A dynamic capture's graph for a backend that refused its symbolic example
+    inputs (a backend that needs concrete sizes, such as CUDA graphs): compiled once
+    per concrete set of input sizes and int values, from the first hit's own
+    arguments, under the same capture (no recapture).  Past `limit` sizes, or where
+    the backend refuses a concrete size too, that size runs the graph itself (the
+    eager backend), with one warning.
+    """
+
+    def __init__(self, backend_fn: Callable[..., Any], graph: Any, limit: int,
+                 refusal: str, warn: Callable[[str], None]) -> None:
+        self.backend_fn = backend_fn
+        self.graph = graph
+        self.limit = limit
+        self.refusal = refusal   # why the symbolic compile failed, for explain()
+        self.warn = warn
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self._warned = False
+
+    def __call__(self, *args: Any) -> Any:
+        import torch
+
+        size = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else (type(a), a)
+                     for a in args)
+        compiled = self.compiled.get(size)
+        if compiled is None:
+            compiled = self._compile(size, args)
+        return compiled(*args)
+
+    def _compile(self, size: tuple, args: tuple) -> Callable[..., Any]:
+        compiled: Callable[..., Any] = self.graph
+        if len(self.compiled) >= self.limit:
+            self._warn_once(f"more than {self.limit} sizes; new sizes run the graph "
+                            "with the eager backend")
+        else:
+            try:
+                result = self.backend_fn(self.graph, list(args))
+                if not callable(result):
+                    raise TypeError(f"it returned {type(result).__name__}, not a callable")
+                compiled = result
+            except Exception as exc:
+                self._warn_once(f"it failed on sizes {size} too ({type(exc).__name__}: "
+                                f"{exc}); such sizes run the graph with the eager backend")
+        # Two threads compiling one size at once both store a working callable.
+        self.compiled.setdefault(size, compiled)
+        return self.compiled[size]
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            self.warn(message)

@@ -118,6 +118,9 @@ class ExplainReport:
                     lines.append("  symbolic (the key's sizes and ints below are examples):")
                     lines += [f"    {s}" for s in entry.symbols]
                     lines += [f"    shape {g}" for g in entry.shape_guards]
+                    if entry.per_size:
+                        lines.append(f"  backend {entry.backend} compiles it once per size: "
+                                     f"it refused symbolic inputs ({entry.per_size})")
                 lines += [f"    state {g}" for g in entry.guards]
                 if entry.state_writes:
                     lines.append("  state written again on every hit (the forward's writes):")
