@@ -81,11 +81,17 @@ def _require_nnscaler(what: str) -> None:
     register_op.attach_nnscaler()  # nnscaler imported some other way: one registry
 
 
-def export_for_nnscaler(module: nn.Module, *args: Any, **kwargs: Any) -> fx.GraphModule:
-    """Capture `module(*args, **kwargs)` into the GraphModule nnScaler's parser consumes."""
+def export_for_nnscaler(module: nn.Module, *args: Any, dynamic_dims: Optional[dict] = None,
+                        **kwargs: Any) -> fx.GraphModule:
+    """Capture `module(*args, **kwargs)` into the GraphModule nnScaler's parser consumes.
+
+    `dynamic_dims` ({argument name: dimension or dimensions}) or `mark_dynamic` marks
+    keep those sizes symbolic: the graph reads them with `size` nodes where the
+    forward uses them, as `nnscaler.export` does."""
     _require_nnscaler("export_for_nnscaler()")
     with _state_kept(module):
-        result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()")
+        result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()",
+                                            dynamic_dims)
         gm = _nnscaler_graph(result, bound, module)
         _add_metadata(gm, module, bound)
     return gm

@@ -166,6 +166,31 @@ def test_size_one_is_decided_not_assumed():
         _agree(compiled, eager, torch.randn(n, 2), torch.randn(m, 2))
 
 
+class ReturnsSizes(nn.Module):
+    def forward(self, x, n):
+        L = x.shape[1]
+        return x * 2, L * 2, torch.sym_float(L) / 2, n + 1, {"len": L}, [L, n], L > 4
+
+
+class ReturnsAnObjectHoldingASize(nn.Module):
+    class Box:
+        def __init__(self, n):
+            self.n = n
+
+    def forward(self, x):
+        return x + 1, self.Box(x.shape[0])
+
+
+def test_sizes_and_scalars_returned_are_the_calls_values():
+    compiled, eager = _pair(ReturnsSizes(), dynamic=True)
+    for L in (3, 5, 8, 2, 5):
+        _agree(compiled, eager, torch.randn(2, L), L + 4)
+    assert nnscaler.cache_info(compiled).captures <= 2
+    compiled, eager = _pair(ReturnsAnObjectHoldingASize(), dynamic=True)
+    for n in (3, 5, 8):
+        assert compiled(torch.randn(n))[1].n == n
+
+
 class TwoInputs(nn.Module):
     def forward(self, x, y):
         return (x + y).expand(3, *x.shape).repeat(1, 2, 1)

@@ -24,6 +24,26 @@ from nnscaler_eval.runners.codegen import ConstantOutput, GraphOutput, OutputLay
 from nnscaler_eval.tracing.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _holds_symbolic(value: Any, depth: int = 2) -> bool:
+    """A symbolic size or scalar inside an object the runner would return as a
+    constant (its attributes, or a container's items, `depth` levels down): it would
+    leak this capture's symbol instead of the call's value."""
+    if isinstance(value, _SYMBOLIC):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, torch.Tensor, type)):
+        return False
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return any(_holds_symbolic(item, depth - 1) for item in list(items)[:64])
+
+
 def output_layout(
     result: Any,
     slots: tuple[Any, ...],
@@ -40,7 +60,8 @@ def output_layout(
     layout: list[Any] = []
     graph_outputs: list[Any] = []
     for leaf in leaves:
-        if isinstance(leaf, (torch.Tensor, TrainingFlag, _TrackedNumber)):
+        if isinstance(leaf, (torch.Tensor, TrainingFlag, _TrackedNumber, *_SYMBOLIC)):
+            # a symbolic size or scalar (a dynamic capture) is computed by the graph
             value = graph_arg(leaf)
             if isinstance(value, fx.Node):
                 layout.append(GraphOutput(len(graph_outputs)))
@@ -53,7 +74,7 @@ def output_layout(
             slot = next((i for i, s in enumerate(slots) if s is leaf), None)
             if slot is not None:
                 layout.append(SlotOutput(slot))
-            elif isinstance(leaf, nn.Module) or holds_tensor(leaf):
+            elif isinstance(leaf, nn.Module) or holds_tensor(leaf) or _holds_symbolic(leaf):
                 refuse(
                     f"forward returns a {type(leaf).__name__}, which the graph "
                     "cannot rebuild (register it with torch.utils._pytree)"
