@@ -120,6 +120,41 @@ validate(const ShapeGuards *g)
     return 0;
 }
 
+/* `equal`, `bound` and `rest` from the validated `code` (see ShapeGuards). */
+static int
+split(ShapeGuards *g)
+{
+    size_t n = (size_t)(g->n_code ? g->n_code : 1);
+    g->equal = PyMem_Malloc(sizeof(int64_t) * n);
+    g->bound = PyMem_Malloc(sizeof(int64_t) * (n + n / 2 + 1));
+    g->rest = PyMem_Malloc(sizeof(int64_t) * n);
+    if (g->equal == NULL || g->bound == NULL || g->rest == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t pc = 0; pc < g->n_code; pc++) {
+        int64_t op = g->code[pc];
+        if (op == SG_CHECK_EQ_LOAD) {
+            g->equal[g->n_equal++] = g->code[pc + 1];
+            g->equal[g->n_equal++] = g->code[pc + 2];
+            pc += 2;
+        }
+        else if (op >= SG_CHECK_GE_CONST) {
+            g->bound[g->n_bound++] = op;
+            g->bound[g->n_bound++] = g->code[pc + 1];
+            g->bound[g->n_bound++] = g->code[pc + 2];
+            pc += 2;
+        }
+        else {
+            g->rest[g->n_rest++] = op;
+            if (op == SG_LOAD || op == SG_CONST) {
+                g->rest[g->n_rest++] = g->code[++pc];
+            }
+        }
+    }
+    return 0;
+}
+
 ShapeGuards *
 shape_guards_new(PyObject *wild, PyObject *code, size_t key_len)
 {
@@ -132,6 +167,10 @@ shape_guards_new(PyObject *wild, PyObject *code, size_t key_len)
     if (read_int64s(wild, "shape guards: wild must be a list or tuple", &g->wild, &g->n_wild) < 0 ||
         read_int64s(code, "shape guards: code must be a list or tuple", &g->code, &g->n_code) < 0 ||
         validate(g) < 0) {
+        shape_guards_free(g);
+        return NULL;
+    }
+    if (split(g) < 0) {
         shape_guards_free(g);
         return NULL;
     }
@@ -155,6 +194,9 @@ shape_guards_free(ShapeGuards *g)
         PyMem_Free(g->wild);
         PyMem_Free(g->mask);
         PyMem_Free(g->code);
+        PyMem_Free(g->equal);
+        PyMem_Free(g->bound);
+        PyMem_Free(g->rest);
         PyMem_Free(g);
     }
 }
@@ -216,11 +258,22 @@ ipow(int64_t a, int64_t e, int *ok)
 int
 shape_guards_run(const ShapeGuards *g, const unsigned char *key)
 {
+    for (Py_ssize_t i = 0; i < g->n_equal; i += 2) {
+        if (load(key, g->equal[i]) != load(key, g->equal[i + 1])) {
+            return 0;
+        }
+    }
+    for (Py_ssize_t i = 0; i < g->n_bound; i += 3) {
+        int64_t op = g->bound[i], a = load(key, g->bound[i + 1]), b = g->bound[i + 2];
+        if (op == SG_CHECK_GE_CONST ? a < b : op == SG_CHECK_LE_CONST ? a > b : a != b) {
+            return 0;
+        }
+    }
     int64_t stack[SHAPE_GUARDS_MAX_STACK + 1];
     Py_ssize_t sp = 0;
     int ok = 1;
-    const int64_t *code = g->code;
-    for (Py_ssize_t pc = 0; pc < g->n_code; pc++) {
+    const int64_t *code = g->rest;
+    for (Py_ssize_t pc = 0; pc < g->n_rest; pc++) {
         int64_t op = code[pc];
         if (op == SG_LOAD) {
             stack[sp++] = load(key, code[++pc]);
@@ -232,15 +285,6 @@ shape_guards_run(const ShapeGuards *g, const unsigned char *key)
         }
         if (op == SG_CHECK) {
             if (stack[--sp] == 0) {
-                return 0;
-            }
-            continue;
-        }
-        if (op >= SG_CHECK_GE_CONST) {
-            int64_t a = load(key, code[pc + 1]);
-            int64_t b = op == SG_CHECK_EQ_LOAD ? load(key, code[pc + 2]) : code[pc + 2];
-            pc += 2;
-            if (op == SG_CHECK_GE_CONST ? a < b : op == SG_CHECK_LE_CONST ? a > b : a != b) {
                 return 0;
             }
             continue;
@@ -293,21 +337,22 @@ shape_guards_match(const ShapeGuards *g, const unsigned char *stored,
     if (len != g->key_len) {
         return 0;
     }
-    /* Equal outside the symbolic fields: word by word under the mask. */
+    /* Equal outside the symbolic fields: word by word under the mask, the
+     * differences gathered without a branch per word (a mismatch is the rare case). */
+    uint64_t differ = 0;
     size_t at = 0;
-    for (; at + 8 <= len; at += 8) {
-        uint64_t k, s, m;
-        memcpy(&k, key + at, 8);
-        memcpy(&s, stored + at, 8);
-        memcpy(&m, g->mask + at, 8);
-        if ((k ^ s) & m) {
-            return 0;
-        }
+    for (; at + 16 <= len; at += 16) {
+        uint64_t k0, s0, m0, k1, s1, m1;
+        memcpy(&k0, key + at, 8);
+        memcpy(&s0, stored + at, 8);
+        memcpy(&m0, g->mask + at, 8);
+        memcpy(&k1, key + at + 8, 8);
+        memcpy(&s1, stored + at + 8, 8);
+        memcpy(&m1, g->mask + at + 8, 8);
+        differ |= ((k0 ^ s0) & m0) | ((k1 ^ s1) & m1);
     }
     for (; at < len; at++) {
-        if ((key[at] ^ stored[at]) & g->mask[at]) {
-            return 0;
-        }
+        differ |= (uint64_t)((key[at] ^ stored[at]) & g->mask[at]);
     }
-    return shape_guards_run(g, key);
+    return differ == 0 && shape_guards_run(g, key);
 }

@@ -41,8 +41,17 @@ typedef struct {
     int64_t *wild;            /* sorted key offsets of the 8-byte symbolic fields */
     unsigned char *mask;      /* key_len bytes: 0x00 in the symbolic fields, else 0xff */
     Py_ssize_t n_code;
-    int64_t *code;            /* the validated program */
+    int64_t *code;            /* the validated program, as it was set */
     size_t key_len;           /* the length every matching key has */
+    /* The program as run: fused checks leave the stack alone, so they run first, in
+     * tight loops of their own (most guards: strides and equal dimensions), then
+     * what is left of the stack code.  Same verdict as `code` in order. */
+    Py_ssize_t n_equal;       /* SG_CHECK_EQ_LOAD: offset pairs */
+    int64_t *equal;
+    Py_ssize_t n_bound;       /* SG_CHECK_{GE,LE,EQ}_CONST: (opcode, offset, constant) */
+    int64_t *bound;
+    Py_ssize_t n_rest;        /* the stack code without the fused checks */
+    int64_t *rest;
 } ShapeGuards;
 
 /* Validated guards from `wild` (a list or tuple of int offsets) and `code` (a list or
