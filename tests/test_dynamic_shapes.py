@@ -606,6 +606,18 @@ def test_a_backend_refusing_symbolic_inputs_compiles_per_size_without_recapture(
     assert "compiles it once per size" in text and "needs concrete sizes" in text
 
 
+def test_inductor_compiles_the_symbolic_graph_once():
+    """One Inductor compile of the dynamic entry serves every later length, and the
+    guards Inductor adds while compiling are checked on every hit."""
+    compiled, eager = _pair(Attention(), backend="inductor")
+    with torch.no_grad():
+        for L in [6, 7, 9, 12, 20, 3, 31]:
+            x = torch.randn(2, L, 16)
+            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
+    info = nnscaler.cache_info(compiled)
+    assert info.captures == 2 and info.hits == 5, info
+
+
 def test_export_keeps_marked_dimensions_symbolic():
     model = Attention()
     gm = nnscaler.export(model, torch.randn(2, 8, 16), dynamic_dims={"x": 1})
