@@ -33,7 +33,7 @@ from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import adopt_region_bucket
-from nnscaler_eval.runners.backends import PerSizeCompiled
+from nnscaler_eval.runners.backends import PerSizeCompiled, compile_graph
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
 
@@ -197,6 +197,18 @@ def _backend_failed(config: Any, code: Any, where: str, exc: Exception) -> None:
         )
 
 
+def _backend_full(config: Any, code: Any, where: str) -> None:
+    """A per-size backend reached cache_size_limit sizes: one warning per code."""
+    failure = (id(config.backend_fn), "per-size limit")
+    warned = _backend_failures_warned.setdefault(code, set())
+    if failure not in warned:
+        warned.add(failure)
+        warn_at_user(
+            f"nnscaler: backend {config.backend_name!r} compiled {where} for "
+            f"{config.cache_size_limit} sizes (cache_size_limit); further sizes run the "
+            f"captured graph with the eager backend")
+
+
 def _compile_runner(config: Any, capture: Any, code: Any, where: str,
                     symbolic: bool = False) -> tuple[Callable[..., Any], list[tuple[Any, bool]],
                                                      Optional[str]]:
@@ -213,19 +225,21 @@ def _compile_runner(config: Any, capture: Any, code: Any, where: str,
     gm, example_inputs = capture.backend_graph()
     per_size = None
     try:
-        compiled = config.backend_fn(gm, example_inputs)
+        compiled = compile_graph(config.backend_fn, gm, example_inputs)
         if not callable(compiled):
             raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
-        if symbolic:
-            refusal = f"{type(exc).__name__}: {exc}"
+        refusal = f"{type(exc).__name__}: {exc}"
+        if symbolic and (id(config.backend_fn), refusal) not in _backend_failures_warned.get(
+                code, ()):
+            # (A backend that failed the same way on a static capture of this code
+            # fails whatever the sizes: that is not a refusal of symbols.)
             logs.recaptures.info("%s: backend %r refused symbolic inputs (%s); compiled "
                                  "per size", where, config.backend_name, refusal)
             compiled = per_size = PerSizeCompiled(
                 config.backend_fn, gm, config.cache_size_limit, refusal,
-                lambda message: warn_at_user(
-                    f"nnscaler: backend {config.backend_name!r} compiles {where} per size: "
-                    f"{message}"))
+                lambda failure: _backend_failed(config, code, where, failure),
+                lambda: _backend_full(config, code, where))
         else:
             _backend_failed(config, code, where, exc)
             return capture.make_runner(), [], None

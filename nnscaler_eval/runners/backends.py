@@ -35,6 +35,19 @@ def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
     )
 
 
+def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[Any]) -> Any:
+    """`backend_fn(gm, example_inputs)`, with AOTAutograd told to compile the backward
+    now: by default it compiles it at the first `backward()`, a second stall in the
+    middle of the first training step that nobody asked for (torch.compile()'s
+    Inductor path compiles both up front).  A backend that does not use AOTAutograd
+    ignores the setting; one whose backward fails to compile fails here, where the
+    caller falls back to the eager runner, and not in the middle of a backward."""
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        return backend_fn(gm, example_inputs)
+
+
 def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     """Record the graph into a CUDA graph (torch.cuda's graph API owns the memory
     pool) and return a callable that copies its inputs into the static input buffers,
@@ -91,18 +104,19 @@ class PerSizeCompiled:
     per concrete set of input sizes and int values, from the first hit's own
     arguments, under the same capture (no recapture).  Past `limit` sizes, or where
     the backend refuses a concrete size too, that size runs the graph itself (the
-    eager backend), with one warning.
+    eager backend); `failed(exc)` / `full()` say so (once, the caller decides).
     """
 
     def __init__(self, backend_fn: Callable[..., Any], graph: Any, limit: int,
-                 refusal: str, warn: Callable[[str], None]) -> None:
+                 refusal: str, failed: Callable[[Exception], None],
+                 full: Callable[[], None]) -> None:
         self.backend_fn = backend_fn
         self.graph = graph
         self.limit = limit
         self.refusal = refusal   # why the symbolic compile failed, for explain()
-        self.warn = warn
+        self.failed = failed
+        self.full = full
         self.compiled: dict[tuple, Callable[..., Any]] = {}
-        self._warned = False
 
     def __call__(self, *args: Any) -> Any:
         import torch
@@ -117,22 +131,15 @@ class PerSizeCompiled:
     def _compile(self, size: tuple, args: tuple) -> Callable[..., Any]:
         compiled: Callable[..., Any] = self.graph
         if len(self.compiled) >= self.limit:
-            self._warn_once(f"more than {self.limit} sizes; new sizes run the graph "
-                            "with the eager backend")
+            self.full()
         else:
             try:
-                result = self.backend_fn(self.graph, list(args))
+                result = compile_graph(self.backend_fn, self.graph, list(args))
                 if not callable(result):
                     raise TypeError(f"it returned {type(result).__name__}, not a callable")
                 compiled = result
             except Exception as exc:
-                self._warn_once(f"it failed on sizes {size} too ({type(exc).__name__}: "
-                                f"{exc}); such sizes run the graph with the eager backend")
+                self.failed(exc)
         # Two threads compiling one size at once both store a working callable.
         self.compiled.setdefault(size, compiled)
         return self.compiled[size]
-
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            self.warn(message)
