@@ -796,8 +796,7 @@ error:
 static inline int
 key_equal(const CacheEntry *e, const CallKey *key)
 {
-    if (e->key_hash == key->hash && e->key_len == key->len &&
-        memcmp(e->key, key->data, key->len) == 0) {
+    if (e->key_len == key->len && memcmp(e->key, key->data, key->len) == 0) {
         return 1;
     }
     return e->shapes != NULL && shape_guards_match(e->shapes, e->key, key->data, key->len);
@@ -990,7 +989,7 @@ cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key)
     }
     entry->key = data;
     entry->key_len = key->len;
-    entry->key_hash = key->hash;
+    entry->key_hash = call_key_hash(key);
     entry->pins = Py_XNewRef(key->pins);
     if (entry->runner != NULL) {
         bucket->captures++;

@@ -48,7 +48,6 @@ call_key_init(CallKey *key, int flags)
     key->data = key->inline_buf;
     key->len = 0;
     key->cap = CALL_KEY_INLINE;
-    key->hash = 0;
     key->pins = NULL;
     key->flags = flags;
     key->n_tensors = 0;
@@ -81,13 +80,10 @@ call_key_release(CallKey *key)
     Py_CLEAR(key->pins);
 }
 
-/* Room for `n` more bytes.  0, or -1 with MemoryError. */
-static int
-reserve(CallKey *key, size_t n)
+/* Room for `n` more bytes, growing the buffer.  0, or -1 with MemoryError. */
+static int __attribute__((noinline))
+grow(CallKey *key, size_t n)
 {
-    if (key->len + n <= key->cap) {
-        return 0;
-    }
     size_t cap = key->cap * 2;
     while (cap < key->len + n) {
         cap *= 2;
@@ -128,6 +124,13 @@ reserve(CallKey *key, size_t n)
     return 0;
 }
 
+/* Room for `n` more bytes.  0, or -1 with MemoryError. */
+static inline int
+reserve(CallKey *key, size_t n)
+{
+    return key->len + n <= key->cap ? 0 : grow(key, n);
+}
+
 static int
 put(CallKey *key, const void *bytes, size_t n)
 {
@@ -161,12 +164,9 @@ put_ptr(CallKey *key, const void *p)
  * another object: a stored key holds a weak reference to it (the entry goes stale
  * when it dies, see cache_entry_check), or a strong one when it cannot be weakly
  * referenced. */
-static int
-pin(CallKey *key, PyObject *obj)
+static int __attribute__((noinline))
+pin_stored(CallKey *key, PyObject *obj)
 {
-    if (!(key->flags & CALL_KEY_PINS)) {
-        return 0;
-    }
     if (key->pins == NULL && (key->pins = PyList_New(0)) == NULL) {
         return -1;
     }
@@ -180,6 +180,12 @@ pin(CallKey *key, PyObject *obj)
     int err = PyList_Append(key->pins, ref != NULL ? ref : obj);
     Py_XDECREF(ref);
     return err;
+}
+
+static inline int
+pin(CallKey *key, PyObject *obj)
+{
+    return (key->flags & CALL_KEY_PINS) ? pin_stored(key, obj) : 0;
 }
 
 static int
@@ -209,16 +215,61 @@ put_int_sequence(CallKey *key, PyObject *seq)
 /* The index of `t` among the tensors already put in this key, or -1.  Inputs that
  * are one tensor object share one placeholder in the graph (the tracer maps tensors
  * by identity), so which slots alias is part of what the graph was specialised on. */
+static inline size_t
+alias_slot(const void *t)
+{
+    /* Fibonacci hashing of the address (objects are 16-byte aligned) to 7 bits. */
+    return (size_t)((((uintptr_t)t >> 4) * UINT64_C(0x9E3779B97F4A7C15)) >> 57);
+}
+
 static Py_ssize_t
 seen_tensor(CallKey *key, PyObject *t)
 {
     Py_ssize_t n = key->n_tensors < CALL_KEY_MAX_ALIAS ? key->n_tensors : CALL_KEY_MAX_ALIAS;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (key->tensors[i] == (void *)t) {
-            return i;
+    if (n <= CALL_KEY_ALIAS_LINEAR) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (key->tensors[i] == (void *)t) {
+                return i;
+            }
+        }
+        return -1;
+    }
+    for (size_t i = alias_slot(t);; i = (i + 1) & (CALL_KEY_ALIAS_SLOTS - 1)) {
+        unsigned char at = key->alias_set[i];
+        if (at == 0) {
+            return -1;
+        }
+        if (key->tensors[at - 1] == (void *)t) {
+            return at - 1;
         }
     }
-    return -1;
+}
+
+static inline void
+alias_set_add(CallKey *key, Py_ssize_t index)
+{
+    size_t i = alias_slot(key->tensors[index]);
+    while (key->alias_set[i] != 0) {
+        i = (i + 1) & (CALL_KEY_ALIAS_SLOTS - 1);
+    }
+    key->alias_set[i] = (unsigned char)(index + 1);
+}
+
+/* Track tensor `t` as the key's next one (the caller checked there is room). */
+static void
+remember_tensor(CallKey *key, PyObject *t)
+{
+    Py_ssize_t index = key->n_tensors;
+    key->tensors[index] = (void *)t;
+    if (index == CALL_KEY_ALIAS_LINEAR) {   /* the set starts here, with all so far */
+        memset(key->alias_set, 0, sizeof(key->alias_set));
+        for (Py_ssize_t i = 0; i <= index; i++) {
+            alias_set_add(key, i);
+        }
+    }
+    else if (index > CALL_KEY_ALIAS_LINEAR) {
+        alias_set_add(key, index);
+    }
 }
 
 /* A torch.device (DEVICE_* above).  Runs no Python. */
@@ -242,52 +293,14 @@ put_device(CallKey *key, PyObject *device)
     return (put_tag(key, DEVICE_HASH) < 0 || put_i64(key, (int64_t)hash) < 0) ? -1 : 0;
 }
 
-static int
-put_tensor(CallKey *key, PyObject *t)
+/* A tensor whose C++ record could not be read (a subclass, a nested or sparse
+ * tensor): its attributes through Python, which a subclass's getters may run. */
+static int __attribute__((noinline))
+put_tensor_through_python(CallKey *key, PyObject *t)
 {
     int ret = -1;
     PyObject *dtype = NULL, *device = NULL, *shape = NULL, *stride = NULL, *grad = NULL;
 
-    Py_ssize_t earlier = seen_tensor(key, t);
-    if (earlier >= 0) {
-        return (put_tag(key, TAG_ALIAS) < 0 || put_i64(key, earlier) < 0) ? -1 : 0;
-    }
-    if (key->n_tensors < CALL_KEY_MAX_ALIAS) {
-        /* an address only: the caller's slots keep these tensors alive meanwhile */
-        key->tensors[key->n_tensors] = (void *)t;
-    }
-    else {
-        /* more tensor inputs than we track: alias detection past here is off, so
-         * say so in the key (such calls never share an entry with tracked ones) */
-        if (put_tag(key, TAG_UNTRACKED) < 0) {
-            goto done;
-        }
-    }
-    key->n_tensors++;
-    NnsTensorMeta meta;
-    if (nns_tensor_meta(t, &meta)) {
-        /* One record, written in place: tag, type, the fixed fields (scalar type ..
-         * ndim, laid out without padding), sizes, strides. */
-        const size_t head = offsetof(NnsTensorMeta, sizes);
-        const size_t n = (size_t)meta.ndim * sizeof(int64_t);
-        const void *type = Py_TYPE(t);
-        if (reserve(key, 1 + sizeof(type) + head + 2 * n) < 0 ||
-            pin(key, (PyObject *)Py_TYPE(t)) < 0) {
-            goto done;
-        }
-        unsigned char *p = key->data + key->len;
-        *p++ = TAG_TENSOR_META;
-        memcpy(p, &type, sizeof(type));
-        p += sizeof(type);
-        memcpy(p, &meta, head);
-        p += head;
-        memcpy(p, meta.sizes, n);
-        memcpy(p + n, meta.strides, n);
-        key->len += 1 + sizeof(type) + head + 2 * n;
-        ret = 0;
-        goto done;
-    }
-    /* Through Python: a subclass's getters run here. */
     key->flags |= CALL_KEY_RAN_PYTHON;
     if (put_tag(key, TAG_TENSOR) < 0 || put_ptr(key, Py_TYPE(t)) < 0 || pin(key, (PyObject *)Py_TYPE(t)) < 0) {
         goto done;
@@ -330,7 +343,47 @@ done:
     return ret;
 }
 
+static inline int
+put_tensor(CallKey *key, PyObject *t)
+{
+    Py_ssize_t earlier = seen_tensor(key, t);
+    if (earlier >= 0) {
+        return (put_tag(key, TAG_ALIAS) < 0 || put_i64(key, earlier) < 0) ? -1 : 0;
+    }
+    if (key->n_tensors < CALL_KEY_MAX_ALIAS) {
+        /* an address only: the caller's slots keep these tensors alive meanwhile */
+        remember_tensor(key, t);
+    }
+    /* more tensor inputs than we track: alias detection past here is off, so say so
+     * in the key (such calls never share an entry with tracked ones) */
+    else if (put_tag(key, TAG_UNTRACKED) < 0) {
+        return -1;
+    }
+    key->n_tensors++;
+    /* One record, written in place by C++: tag, type, the fixed fields (scalar type ..
+     * ndim, laid out without padding), sizes, strides. */
+    const void *type = Py_TYPE(t);
+    if (reserve(key, 1 + sizeof(type) + NNS_TENSOR_RECORD_MAX) < 0) {
+        return -1;
+    }
+    unsigned char *p = key->data + key->len;
+    size_t written = nns_tensor_record(t, p + 1 + sizeof(type));
+    if (written == 0) {
+        return put_tensor_through_python(key, t);
+    }
+    p[0] = TAG_TENSOR_META;
+    memcpy(p + 1, &type, sizeof(type));
+    key->len += 1 + sizeof(type) + written;
+    /* After the record: pinning allocates, and so may run the GC (our buffer is not
+     * reachable from Python; the record describes the tensor as it was). */
+    return pin(key, (PyObject *)Py_TYPE(t));
+}
+
 static int put_value(CallKey *key, PyObject *v, int depth);
+
+/* torch.Tensor, the type almost every tensor argument has exactly: compared first,
+ * before the subtype check against guard_env.tensor_type walks its MRO. */
+static PyTypeObject *tensor_class;
 
 /* Items of a tuple (borrowed from `owner`, which the caller keeps alive and which
  * cannot change: tuples are immutable). */
@@ -447,7 +500,7 @@ put_value(CallKey *key, PyObject *v, int depth)
         return put_tag(key, v == Py_True ? TAG_TRUE : TAG_FALSE);
     }
     PyTypeObject *type = Py_TYPE(v);
-    if (PyObject_TypeCheck(v, guard_env.tensor_type)) {
+    if (type == tensor_class || PyObject_TypeCheck(v, guard_env.tensor_type)) {
         return put_tensor(key, v);
     }
     if (depth < MAX_DEPTH) {
@@ -500,6 +553,9 @@ put_value(CallKey *key, PyObject *v, int depth)
 int
 call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
 {
+    if (tensor_class == NULL) {
+        tensor_class = nns_tensor_class();
+    }
     int grad_on = nns_grad_mode();
     if (grad_on < 0) {   /* built without torch's headers */
         PyObject *grad = PyObject_CallNoArgs(guard_env.is_grad_enabled);
@@ -518,12 +574,19 @@ call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (put_value(key, values[i], 0) < 0) {
+        /* A plain torch.Tensor (most arguments) goes straight to its record. */
+        if (Py_TYPE(values[i]) == tensor_class ? put_tensor(key, values[i]) < 0
+                                               : put_value(key, values[i], 0) < 0) {
             return -1;
         }
     }
-    key->hash = XXH3_64bits(key->data, key->len);
     return 0;
+}
+
+uint64_t
+call_key_hash(const CallKey *key)
+{
+    return XXH3_64bits(key->data, key->len);
 }
 
 void
@@ -543,7 +606,6 @@ call_key_move(CallKey *dst, CallKey *src)
         }
     }
     dst->len = src->len;
-    dst->hash = src->hash;
     dst->pins = src->pins;       /* moved */
     dst->flags = (dst->flags & CALL_KEY_PINS) | (src->flags & ~CALL_KEY_PINS);
     dst->n_tensors = src->n_tensors;
@@ -1361,7 +1423,7 @@ key_object_dealloc(CallKeyObject *self)
 static PyObject *
 key_object_get_hash(CallKeyObject *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromUnsignedLongLong(self->key.hash);
+    return PyLong_FromUnsignedLongLong(call_key_hash(&self->key));
 }
 
 /* CallKey(*values): the key of a call with these argument values (what the miss path

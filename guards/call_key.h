@@ -20,6 +20,8 @@
 
 #define CALL_KEY_INLINE 512
 #define CALL_KEY_MAX_ALIAS 64   /* tensors tracked for aliasing in one key */
+#define CALL_KEY_ALIAS_LINEAR 8 /* up to this many: a linear scan finds an alias */
+#define CALL_KEY_ALIAS_SLOTS 128   /* a power of two, at least 2 * CALL_KEY_MAX_ALIAS */
 
 /* CallKey.flags */
 #define CALL_KEY_PINS 1         /* collect pins while building: the key will be stored */
@@ -32,11 +34,13 @@
 typedef struct {
     unsigned char *data;        /* points at inline_buf or a PyMem block */
     size_t len, cap;
-    uint64_t hash;
     PyObject *pins;             /* owned list or NULL: objects keyed by identity */
     int flags;                  /* CALL_KEY_PINS, CALL_KEY_RAN_PYTHON */
     Py_ssize_t n_tensors;       /* tensors put so far */
     void *tensors[CALL_KEY_MAX_ALIAS];   /* their addresses (alias detection only) */
+    /* Past CALL_KEY_ALIAS_LINEAR tensors, an open-addressing set over `tensors`: the
+     * index + 1 of each, 0 for an empty slot (the lookup stays O(1) per tensor). */
+    unsigned char alias_set[CALL_KEY_ALIAS_SLOTS];
     unsigned char inline_buf[CALL_KEY_INLINE];
 } CallKey;
 
@@ -46,12 +50,17 @@ void call_key_init(CallKey *key, int flags);
  * to a pinned object runs its finaliser (__del__, weakref callbacks). */
 void call_key_release(CallKey *key);
 
-/* Encode `values[0..n)` (borrowed; the caller keeps them alive) and hash. 0, or -1
+/* Encode `values[0..n)` (borrowed; the caller keeps them alive). 0, or -1
  * with an exception set.  May run Python: tensor attribute getters (tensor
  * subclasses), conversions of int subclasses, the GC on allocating container
  * snapshots; wherever it may, it sets CALL_KEY_RAN_PYTHON.  Containers are walked
  * through owned snapshots, so such code cannot free what the walk holds. */
 int call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n);
+
+/* XXH3 of the key's bytes: what a stored entry keeps as its key_hash.  The hit path
+ * compares lengths and bytes instead (a bucket holds a few entries, and a memcmp that
+ * stops at the first difference costs less than hashing every byte of every call). */
+uint64_t call_key_hash(const CallKey *key);
 
 /* Move `src` (built) into `dst` (initialised, empty; its CALL_KEY_PINS is kept);
  * `src` is left empty. */

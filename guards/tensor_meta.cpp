@@ -3,6 +3,9 @@
  * every tensor take the Python path. */
 #include "tensor_meta.h"
 
+#include <cstddef>
+#include <cstring>
+
 #ifndef NNS_NO_TORCH_HEADERS
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -29,15 +32,24 @@ nns_tensor_exact(PyObject *obj)
 #endif
 }
 
-extern "C" int
-nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta)
+extern "C" PyTypeObject *
+nns_tensor_class(void)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    return nullptr;
+#else
+    return reinterpret_cast<PyTypeObject *>(THPVariableClass);
+#endif
+}
+
+extern "C" size_t
+nns_tensor_record(PyObject *obj, unsigned char *out)
 {
 #ifdef NNS_NO_TORCH_HEADERS
     (void)obj;
-    (void)meta;
+    (void)out;
     return 0;
 #else
-    /* Null until torch._C has initialised (no tensor can exist before). */
     if (THPVariableClass == nullptr || !THPVariable_CheckTypeExact(Py_TYPE(obj))) {
         return 0;
     }
@@ -54,23 +66,26 @@ nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta)
         if (ndim > NNS_TENSOR_META_MAX_DIM) {
             return 0;
         }
-        c10::IntArrayRef sizes = impl->sizes();
-        c10::IntArrayRef strides = impl->strides();
-        for (int64_t i = 0; i < ndim; i++) {
-            meta->sizes[i] = sizes[i];
-            meta->strides[i] = strides[i];
-        }
+        constexpr size_t head = offsetof(NnsTensorMeta, sizes);
+        static_assert(head == 16, "NnsTensorMeta's fixed fields have padding");
         const c10::Device device = impl->device();
-        meta->scalar_type = static_cast<int32_t>(impl->dtype().toScalarType());
-        meta->device_type = static_cast<int16_t>(device.type());
-        meta->device_index = static_cast<int16_t>(device.index());
-        meta->requires_grad = impl->requires_grad() ? 1 : 0;
-        meta->ndim = static_cast<int32_t>(ndim);
-        return 1;
+        NnsTensorMeta fixed;
+        fixed.scalar_type = static_cast<int32_t>(impl->dtype().toScalarType());
+        fixed.device_type = static_cast<int16_t>(device.type());
+        fixed.device_index = static_cast<int16_t>(device.index());
+        fixed.requires_grad = impl->requires_grad() ? 1 : 0;
+        fixed.ndim = static_cast<int32_t>(ndim);
+        std::memcpy(out, &fixed, head);
+        const int64_t *sizes = impl->sizes().data();
+        const int64_t *strides = impl->strides().data();
+        unsigned char *p = out + head;
+        for (int64_t i = 0; i < ndim; i++) {
+            std::memcpy(p + 8 * i, sizes + i, 8);
+            std::memcpy(p + 8 * (ndim + i), strides + i, 8);
+        }
+        return head + 16 * static_cast<size_t>(ndim);
     }
     catch (...) {
-        /* A tensor implementation that refuses (sizes of a nested or custom
-         * tensor, ...): Python knows how to describe it. */
         return 0;
     }
 #endif

@@ -3,7 +3,7 @@
  * The one place that knows PyTorch's C++ types (tensor_meta.cpp): a plain
  * torch.Tensor or nn.Parameter is read without building a Python object (dtype,
  * device, torch.Size and the stride tuple cost about 4,000 instructions per tensor
- * through attribute access; this about 100).  Everything else, tensor subclasses
+ * through attribute access; this about 60).  Everything else, tensor subclasses
  * included (their attributes may be Python), goes through Python in call_key.c.
  */
 #ifndef NNSCALER_TENSOR_META_H
@@ -28,10 +28,19 @@ typedef struct {
     int64_t strides[NNS_TENSOR_META_MAX_DIM];
 } NnsTensorMeta;
 
-/* 1 with `meta` filled when `obj` is exactly a torch.Tensor or nn.Parameter with
- * strided layout, concrete sizes and at most NNS_TENSOR_META_MAX_DIM dimensions; 0
- * otherwise (the caller reads it through Python).  Runs no Python, never raises. */
-int nns_tensor_meta(PyObject *obj, NnsTensorMeta *meta);
+/* The key's record of a tensor that is exactly a torch.Tensor or nn.Parameter with
+ * strided layout, concrete sizes and at most NNS_TENSOR_META_MAX_DIM dimensions
+ * (anything else is read through Python in call_key.c), written straight into `out`:
+ * NnsTensorMeta's fixed fields (up to `sizes`), then ndim sizes and ndim strides,
+ * int64 each, unaligned.  `out` has room for NNS_TENSOR_RECORD_MAX bytes.  Returns the
+ * bytes written, or 0 when `obj` is not such a tensor (`out` then holds nothing
+ * meaningful).  Runs no Python, never raises. */
+#define NNS_TENSOR_RECORD_MAX (16 + 2 * 8 * NNS_TENSOR_META_MAX_DIM)
+size_t nns_tensor_record(PyObject *obj, unsigned char *out);
+
+/* torch.Tensor (THPVariableClass, which torch keeps for the life of the process) once
+ * torch._C has initialised, else NULL.  Never raises. */
+PyTypeObject *nns_tensor_class(void);
 
 /* torch's grad mode on this thread (at::GradMode): 1 or 0, or -1 when this build
  * has no torch headers (the caller asks torch.is_grad_enabled()).  Runs no Python,
