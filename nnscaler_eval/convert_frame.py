@@ -405,7 +405,7 @@ def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: t
         capture = tracer.capture(fn, traced_slots, slot_names, root=self,
                                  fullgraph=config.fullgraph and symbolic is None,
                                  call=slot_call(fn, code, traced_slots, caller_depth),
-                                 symbolic=symbolic)
+                                 symbolic=symbolic, rebuild_objects=True)
     # The state walk serves value guards, which only entries with a graph get.
     # Guards describe the state a call starts from: attributes the forward wrote
     # (replayed by the runner) are read as they were before it.

@@ -116,6 +116,48 @@ def test_outputs_and_caches_equal_eager(name):
     assert sum(i.captures for i in infos) >= 2 and sum(i.hits for i in infos) >= 2, infos
 
 
+def _cache_objects(cache):
+    """The cache and every object inside it that is rebuilt: (class, object) pairs."""
+    found = [cache]
+    for name in ("self_attention_cache", "cross_attention_cache"):
+        if getattr(cache, name, None) is not None:
+            found += _cache_objects(getattr(cache, name))
+    found += list(getattr(cache, "layers", None) or ())
+    return found
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral", "t5", "bart", "whisper"])
+def test_a_returned_kv_cache_is_rebuilt_and_the_root_captured_whole(name):
+    """Called with the library's defaults (use_cache=True), the forward creates and
+    returns a cache: the root is one graph, and every hit builds a fresh cache of the
+    same classes around the graph's tensors."""
+    compiled, reference = _pair(name)
+    compiled.eval()
+    reference.eval()
+    torch.manual_seed(0)
+    inputs = _inputs(name, 2, 4)
+    with torch.no_grad():
+        report = nnscaler.explain(compiled, **inputs)
+        assert report.fallbacks == [] and len(report.graphs) == 1, report.fallbacks
+        first, second = compiled(**inputs), compiled(**inputs)
+        want = reference(**inputs)
+    got_objects = _cache_objects(first.past_key_values)
+    assert [type(o) for o in got_objects] == [type(o) for o in _cache_objects(want.past_key_values)]
+    again = _cache_objects(second.past_key_values)
+    assert all(a is not b for a, b in zip(got_objects, again))   # fresh objects per call
+    for a, b in zip(_tensors(first), _tensors(want)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # one call's cache is its own: growing it leaves the next call's alone
+    for obj in got_objects[1:]:
+        if hasattr(obj, "keys") and isinstance(obj.keys, torch.Tensor):
+            obj.keys = obj.keys * 0
+    with torch.no_grad():
+        third = compiled(**inputs)
+    for a, b in zip(_tensors(third), _tensors(want)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert nnscaler.cache_info(compiled).hits >= 2
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_with_kv_cache_equals_eager(name):
     compiled, reference = _pair(name)

@@ -7,6 +7,7 @@ outputs, constants, and argument slots returned as they are.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,7 +21,9 @@ from nnscaler_eval.capture.inputs import holds_tensor
 from nnscaler_eval.capture.nodes import NodeMap, class_name
 from nnscaler_eval.capture.results import Capture, Fallback
 from nnscaler_eval.capture.training import TrackedModules
-from nnscaler_eval.runners.codegen import ConstantOutput, GraphOutput, OutputLayout, RunnerSpec, SlotOutput
+from nnscaler_eval.runners.codegen import (
+    ConstantOutput, GraphOutput, OutputLayout, RebuiltOutput, RunnerSpec, SlotOutput,
+)
 from nnscaler_eval.tracing.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
 
 
@@ -44,17 +47,77 @@ def _holds_symbolic(value: Any, depth: int = 2) -> bool:
     return any(_holds_symbolic(item, depth - 1) for item in list(items)[:64])
 
 
+# Values an object's template keeps as they are: immutable, so sharing them between
+# the objects of several calls is what building each object anew would give.
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
+              torch.device, torch.layout, torch.memory_format, type)
+_TEMPLATE_DEPTH = 6
+
+
+def rebuildable(value: Any) -> bool:
+    """A transformers KV cache, or one of its layers: an object the runner can build
+    anew per call (`object.__new__` and its `__dict__`; no `__slots__`, no `__new__` of
+    its own).  Only those: an arbitrary object may hold state its `__dict__` does not
+    show (C fields, identity other code relies on)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return False
+    bases = tuple(getattr(cache_utils, name) for name in ("Cache", "CacheLayerMixin")
+                  if isinstance(getattr(cache_utils, name, None), type))
+    cls = type(value)
+    return (bool(bases) and isinstance(value, bases) and cls.__new__ is object.__new__
+            and isinstance(getattr(value, "__dict__", None), dict)
+            and not any(vars(c).get("__slots__") for c in cls.__mro__[:-1]))
+
+
+def object_shape(value: Any, graph_arg: Callable[[Any], Any], graph_outputs: list[Any],
+                 seen: set[int], depth: int = _TEMPLATE_DEPTH) -> Optional[tuple]:
+    """The RebuiltOutput shape of `value` (codegen.RebuiltOutput), its tensors appended
+    to `graph_outputs` as nodes; None when part of it cannot be built anew per call
+    (an object of another kind, one object reached twice, too deep)."""
+    if isinstance(value, (torch.Tensor, *_SYMBOLIC)):
+        node = graph_arg(value)
+        if not isinstance(node, fx.Node):
+            return ("constant", node)
+        graph_outputs.append(node)
+        return ("graph", len(graph_outputs) - 1)
+    if isinstance(value, _IMMUTABLE):
+        return ("constant", value)
+    if depth == 0 or id(value) in seen:
+        return None
+    seen.add(id(value))
+    if type(value) in (list, tuple):
+        items = [object_shape(v, graph_arg, graph_outputs, seen, depth - 1) for v in value]
+        return None if None in items else ("list" if type(value) is list else "tuple",
+                                           tuple(items))
+    if type(value) is dict:
+        if not all(isinstance(k, (bool, int, str)) for k in value):
+            return None
+        entries = [(k, object_shape(v, graph_arg, graph_outputs, seen, depth - 1))
+                   for k, v in value.items()]
+        return None if any(s is None for _, s in entries) else ("dict", tuple(entries))
+    if rebuildable(value):
+        fields = [(name, object_shape(v, graph_arg, graph_outputs, seen, depth - 1))
+                  for name, v in vars(value).items()]
+        if any(s is None for _, s in fields):
+            return None
+        return ("object", type(value), tuple(fields))
+    return None
+
+
 def output_layout(
     result: Any,
     slots: tuple[Any, ...],
     graph_arg: Callable[[Any], Any],
     refuse: Callable[[str], None],
+    rebuild_objects: bool = False,
 ) -> Optional[tuple[OutputLayout, list[fx.Node]]]:
     """How the runner rebuilds `result`, and the nodes the graph returns.
 
     `graph_arg` turns a tensor, flag or tracked number into its node (it may raise
     RecordingAborted); a leaf the runner could not rebuild is handed to `refuse`, which
-    ends the capture, and then there is no layout (None).
+    ends the capture, and then there is no layout (None).  With `rebuild_objects`, a
+    KV cache the forward returns is built anew by the runner (`rebuildable`).
     """
     leaves, spec = pytree.tree_flatten(result)
     layout: list[Any] = []
@@ -72,8 +135,12 @@ def output_layout(
             layout.append(ConstantOutput(leaf))
         else:
             slot = next((i for i, s in enumerate(slots) if s is leaf), None)
+            shape = (object_shape(leaf, graph_arg, graph_outputs, set())
+                     if slot is None and rebuild_objects and rebuildable(leaf) else None)
             if slot is not None:
                 layout.append(SlotOutput(slot))
+            elif shape is not None:
+                layout.append(RebuiltOutput(shape))
             elif isinstance(leaf, nn.Module) or holds_tensor(leaf) or _holds_symbolic(leaf):
                 refuse(
                     f"forward returns a {type(leaf).__name__}, which the graph "

@@ -66,6 +66,7 @@ def capture(
     fullgraph: bool = False,
     call: Optional[Callable[[], Any]] = None,
     symbolic: Optional[symbolic_shapes.SymbolicInputs] = None,
+    rebuild_objects: bool = False,
 ) -> Capture:
     """Run `fn` once for real on `slots`, recording it; see the package docstring.
 
@@ -76,9 +77,12 @@ def capture(
     With `symbolic` (capture/dynamic.py) the slots hold its fake arguments and the run
     is on fakes: sizes become expressions in the graph, and anything the trace cannot
     follow symbolically raises `dynamic.Unsupported` at once (nothing runs for real).
+    `rebuild_objects`: a KV cache the forward returns is built anew by the runner on
+    every call (output.rebuildable); export has no such runner and refuses it.
     """
     tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph,
                     symbolic=symbolic)
+    tracer.rebuild_objects = rebuild_objects
     return tracer.run(call if call is not None else (lambda: fn(*slots)))
 
 
@@ -114,6 +118,7 @@ class Tracer(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.symbolic = symbolic
+        self.rebuild_objects = False   # capture() sets it
         if len(slots) != len(slot_names):
             raise ValueError(f"{len(slots)} slots but {len(slot_names)} slot names")
         self.fn = fn
@@ -786,7 +791,8 @@ class Tracer(TorchFunctionMode):
             self.graph_break(reason, location=self._forward_location())
 
         try:
-            laid_out = output.output_layout(result, self.slots, self.graph_arg, refuse)
+            laid_out = output.output_layout(result, self.slots, self.graph_arg, refuse,
+                                            self.rebuild_objects)
             if laid_out is None:
                 return None
             self.sync_global_state()  # e.g. grad mode left changed by the forward

@@ -70,7 +70,21 @@ class SlotOutput:
     slot: int
 
 
-OutputLeaf = Union[GraphOutput, ConstantOutput, SlotOutput]
+@dataclass(frozen=True)
+class RebuiltOutput:
+    """An output leaf that is an object the forward built around graph outputs (a
+    transformers KV cache): a fresh object of the same class and layout per call.
+
+    `shape` is nested tuples: ("object", cls, ((attribute, shape), ...)) for an object
+    made with `object.__new__(cls)` and its `__dict__` filled; ("list" | "tuple",
+    (shape, ...)); ("dict", ((key, shape), ...)); ("graph", i) for the graph's i-th
+    output; ("constant", value) for an immutable value.
+    """
+
+    shape: tuple
+
+
+OutputLeaf = Union[GraphOutput, ConstantOutput, SlotOutput, RebuiltOutput]
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,8 @@ class OutputLayout:
                 values.append(graph_output(leaf.index))
             elif isinstance(leaf, ConstantOutput):
                 values.append(leaf.value)
+            elif isinstance(leaf, RebuiltOutput):
+                raise TypeError("an output rebuilt as an object has no graph form")
             else:
                 values.append(slot(leaf.slot))
         return values
@@ -369,7 +385,7 @@ class _RunnerWriter:
             args = ", ".join(self.values[n] for n in placeholders)
             out = self.names.fresh("out")
             body.append(f"{out} = {compiled}({args})")
-            returned = self.output_expr(lambda i: f"{out}[{i}]")
+            returned = self.output_expr(lambda i: f"{out}[{i}]", body)
         else:
             returned = self.write_graph(graph_nodes, body)
 
@@ -414,17 +430,51 @@ class _RunnerWriter:
                 )
         return expr
 
-    def output_expr(self, leaf_value: Callable[[int], str]) -> str:
+    def output_expr(self, leaf_value: Callable[[int], str], body: list[str]) -> str:
         layout = self.spec.output
-        texts = [text if isinstance(leaf, (GraphOutput, SlotOutput)) else self.render(text)
-                 for leaf, text in zip(layout.leaves, layout.leaf_values(
-                     leaf_value, self.param_names.__getitem__))]
+        texts = []
+        for leaf in layout.leaves:
+            if isinstance(leaf, GraphOutput):
+                texts.append(leaf_value(leaf.index))
+            elif isinstance(leaf, SlotOutput):
+                texts.append(self.param_names[leaf.slot])
+            elif isinstance(leaf, RebuiltOutput):
+                texts.append(self.rebuilt_expr(leaf.shape, leaf_value, body))
+            else:
+                texts.append(self.render(leaf.value))
         literal = _literal_structure(layout.spec, iter(texts), self)
         if literal is not None:
             return literal
         spec_name = self.bind(layout.spec, "out_spec")
         unflatten = self.bind(pytree.tree_unflatten, "tree_unflatten")
         return f"{unflatten}([{', '.join(texts)}], {spec_name})"
+
+    def rebuilt_expr(self, shape: tuple, leaf_value: Callable[[int], str],
+                     body: list[str]) -> str:
+        """The expression of a RebuiltOutput's `shape`; an object is made by statements
+        appended to `body` (`object.__new__`, then its `__dict__` updated: C calls
+        only, no Python frame on the hit path)."""
+        kind = shape[0]
+        if kind == "graph":
+            return leaf_value(shape[1])
+        if kind == "constant":
+            return self.render(shape[1])
+        if kind in ("list", "tuple"):
+            items = [self.rebuilt_expr(s, leaf_value, body) for s in shape[1]]
+            if kind == "list":
+                return f"[{', '.join(items)}]"
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        if kind == "dict":
+            items = [f"{self.render_key(k)}: {self.rebuilt_expr(s, leaf_value, body)}"
+                     for k, s in shape[1]]
+            return "{" + ", ".join(items) + "}"
+        assert kind == "object", shape
+        fields = [f"{name!r}: {self.rebuilt_expr(s, leaf_value, body)}" for name, s in shape[2]]
+        cls = self.bind(shape[1], shape[1].__name__)
+        name = self.names.fresh(shape[1].__name__.lower())
+        body.append(f"{name} = {self.bind(object.__new__, 'new_object')}({cls})")
+        body.append(f"{name}.__dict__.update({{{', '.join(fields)}}})")
+        return name
 
     def write_graph(self, graph_nodes: list[fx.Node], body: list[str]) -> str:
         position = {node: i for i, node in enumerate(graph_nodes)}
@@ -489,7 +539,7 @@ class _RunnerWriter:
 
         output = next(n for n in reversed(graph_nodes) if n.op == "output")
         results = cast(tuple, output.args[0])
-        return self.output_expr(lambda i: self.render(results[i]))
+        return self.output_expr(lambda i: self.render(results[i]), body)
 
     def statement(self, node: fx.Node) -> str:
         """One line computing `node`, binding its value if anything uses it."""

@@ -35,6 +35,11 @@ _PACKAGE_DIRS = (
     # inside the forward, on symbols only; it reads no user state.
     *_package_dir("sympy"),
     *_package_dir("mpmath"),
+    # Test harnesses: never the user's model.  Their objects (pytest's log capture
+    # handler and its list of records) are library state, guarded only for what
+    # user code reads of them.
+    *_package_dir("_pytest"),
+    *_package_dir("pluggy"),
 )
 _STDLIB_DIR = os.path.join(os.path.dirname(contextlib.__file__), "")
 
