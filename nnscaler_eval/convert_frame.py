@@ -186,27 +186,25 @@ def _backend_failed(config: Any, code: Any, where: str, exc: Exception) -> None:
             f"nnscaler: backend {config.backend_name!r} failed to compile {where}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    failure = (id(config.backend_fn), f"{type(exc).__name__}: {exc}")
-    warned = _backend_failures_warned.setdefault(code, set())
-    if failure not in warned:
-        warned.add(failure)
-        warn_at_user(
-            f"nnscaler: backend {config.backend_name!r} failed to compile {where} "
-            f"({type(exc).__name__}: {exc}); running the captured graph with the "
-            f"eager backend instead"
-        )
+    _warn_backend_once(config, code, f"{type(exc).__name__}: {exc}",
+                       f"failed to compile {where} ({type(exc).__name__}: {exc}); running "
+                       "the captured graph with the eager backend instead")
 
 
 def _backend_full(config: Any, code: Any, where: str) -> None:
     """A per-size backend reached cache_size_limit sizes: one warning per code."""
-    failure = (id(config.backend_fn), "per-size limit")
+    _warn_backend_once(config, code, "per-size limit",
+                       f"compiled {where} for {config.cache_size_limit} sizes "
+                       "(cache_size_limit); further sizes run the captured graph with the "
+                       "eager backend")
+
+
+def _warn_backend_once(config: Any, code: Any, failure: str, message: str) -> None:
+    """`nnscaler: backend <name> <message>`, once per code, backend and failure."""
     warned = _backend_failures_warned.setdefault(code, set())
-    if failure not in warned:
-        warned.add(failure)
-        warn_at_user(
-            f"nnscaler: backend {config.backend_name!r} compiled {where} for "
-            f"{config.cache_size_limit} sizes (cache_size_limit); further sizes run the "
-            f"captured graph with the eager backend")
+    if (id(config.backend_fn), failure) not in warned:
+        warned.add((id(config.backend_fn), failure))
+        warn_at_user(f"nnscaler: backend {config.backend_name!r} {message}")
 
 
 def _compile_runner(config: Any, capture: Any, code: Any, where: str,
