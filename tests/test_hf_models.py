@@ -158,6 +158,40 @@ def test_a_returned_kv_cache_is_rebuilt_and_the_root_captured_whole(name):
     assert nnscaler.cache_info(compiled).hits >= 2
 
 
+def _layer_state(cache):
+    layers = []
+    for sub in (getattr(cache, "self_attention_cache", None),
+                getattr(cache, "cross_attention_cache", None), cache):
+        layers += list(getattr(sub, "layers", None) or ())
+    return [(type(layer), vars(layer)) for layer in layers]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_returned_caches_over_lengths_equal_eager_attribute_by_attribute(sliding_window):
+    """Lengths vary (a symbolic capture): the rebuilt cache's sizes and counters
+    (a sliding-window layer's cumulative_length) are the call's, not the capture's."""
+    t = transformers
+    torch.manual_seed(0)
+    reference = t.AutoModelForCausalLM.from_config(t.MistralConfig(
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=sliding_window,
+        **_KW)).eval()
+    compiled = nnscaler.compile(copy.deepcopy(reference))
+    with torch.no_grad():
+        for length in [5, 9, 3, 12, 1, 2, 7, 16]:
+            ids = torch.randint(1, 64, (2, length))
+            got, want = compiled(input_ids=ids), reference(input_ids=ids)
+            assert torch.equal(got.logits, want.logits), length
+            for (cls_a, a), (cls_b, b) in zip(_layer_state(got.past_key_values),
+                                              _layer_state(want.past_key_values), strict=True):
+                assert cls_a is cls_b and a.keys() == b.keys()
+                for key, value in b.items():
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(a[key], value), (length, key)
+                    else:
+                        assert a[key] == value and type(a[key]) is type(value), (length, key)
+    assert nnscaler.cache_info(compiled).captures <= 5
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_with_kv_cache_equals_eager(name):
     compiled, reference = _pair(name)
