@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
-import warnings
 import struct
+import sys
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
 import nnscaler
+import nnscaler_eval
 from nnscaler_eval import _C
 from nnscaler_eval.capture import dynamic
 
@@ -600,6 +603,17 @@ def test_a_backend_refusing_symbolic_inputs_compiles_per_size_without_recapture(
     assert shapes.count((5, 4)) == 1 and shapes.count((7, 4)) == 2   # per size and int
     messages = [str(w.message) for w in caught]
     assert sum("refuses (9, 4)" in m for m in messages) == 1, messages
+    # a hit of a size met before runs no Python of ours (the runner looks it up)
+    frames: list = []
+    x = torch.randn(7, 4)
+    sys.setprofile(lambda frame, event, arg: frames.append(frame.f_code.co_filename)
+                   if event == "call" else None)
+    try:
+        compiled(x, 3)
+    finally:
+        sys.setprofile(None)
+    package = os.path.dirname(os.path.abspath(nnscaler_eval.__file__))
+    assert [f for f in frames if f.startswith(package)] == []
     text = str(nnscaler.explain(nnscaler.compile(ViewBySize(), dynamic=True,
                                                  backend=_concrete_only([])),
                                 torch.randn(6, 4), 1))

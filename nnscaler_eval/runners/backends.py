@@ -105,6 +105,7 @@ class PerSizeCompiled:
     arguments, under the same capture (no recapture).  Past `limit` sizes, or where
     the backend refuses a concrete size too, that size runs the graph itself (the
     eager backend); `failed(exc)` / `full()` say so (once, the caller decides).
+    codegen writes the lookup into the runner.
     """
 
     def __init__(self, backend_fn: Callable[..., Any], graph: Any, limit: int,
@@ -118,17 +119,10 @@ class PerSizeCompiled:
         self.full = full
         self.compiled: dict[tuple, Callable[..., Any]] = {}
 
-    def __call__(self, *args: Any) -> Any:
-        import torch
-
-        size = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else (type(a), a)
-                     for a in args)
-        compiled = self.compiled.get(size)
-        if compiled is None:
-            compiled = self._compile(size, args)
-        return compiled(*args)
-
-    def _compile(self, size: tuple, args: tuple) -> Callable[..., Any]:
+    def compile_for(self, size: tuple, *args: Any) -> Callable[..., Any]:
+        """The callable for `size` (each argument's shape, or its value: the runner
+        looks it up in `compiled` inline and calls this only for a size it has not
+        met, so a hit of a known size runs no Python of ours)."""
         compiled: Callable[..., Any] = self.graph
         if len(self.compiled) >= self.limit:
             self.full()

@@ -42,6 +42,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls
+from nnscaler_eval.runners.backends import PerSizeCompiled
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing.trace_patches import REAL_SET_GRAD_ENABLED
 
@@ -381,9 +382,23 @@ class _RunnerWriter:
                 self.values[node] = self.input_expr(source)
 
         if self.compiled is not None:
-            compiled = self.bind(self.compiled, "compiled_graph")
             args = ", ".join(self.values[n] for n in placeholders)
             out = self.names.fresh("out")
+            if isinstance(self.compiled, PerSizeCompiled):
+                # The size's compiled graph, looked up here (C calls only); a size not
+                # met before calls back into PerSizeCompiled once.
+                size = self.names.fresh("size")
+                compiled = self.names.fresh("compiled")
+                table = self.bind(self.compiled.compiled, "compiled_sizes")
+                build = self.bind(self.compiled.compile_for, "compile_size")
+                keys = "".join(f"getattr({self.values[n]}, 'shape', {self.values[n]}), "
+                               for n in placeholders)
+                body.append(f"{size} = ({keys})")
+                body.append(f"{compiled} = {table}.get({size})")
+                body.append(f"if {compiled} is None:")
+                body.append(f"    {compiled} = {build}({size}, {args})")
+            else:
+                compiled = self.bind(self.compiled, "compiled_graph")
             body.append(f"{out} = {compiled}({args})")
             returned = self.output_expr(lambda i: f"{out}[{i}]", body)
         else:
