@@ -212,9 +212,6 @@ put_int_sequence(CallKey *key, PyObject *seq)
     return 0;
 }
 
-/* The index of `t` among the tensors already put in this key, or -1.  Inputs that
- * are one tensor object share one placeholder in the graph (the tracer maps tensors
- * by identity), so which slots alias is part of what the graph was specialised on. */
 static inline size_t
 alias_slot(const void *t)
 {
@@ -222,6 +219,9 @@ alias_slot(const void *t)
     return (size_t)((((uintptr_t)t >> 4) * UINT64_C(0x9E3779B97F4A7C15)) >> 57);
 }
 
+/* The index of `t` among the tensors already put in this key, or -1.  Inputs that
+ * are one tensor object share one placeholder in the graph (the tracer maps tensors
+ * by identity), so which slots alias is part of what the graph was specialised on. */
 static Py_ssize_t
 seen_tensor(CallKey *key, PyObject *t)
 {

@@ -126,7 +126,7 @@ split(ShapeGuards *g)
 {
     size_t n = (size_t)(g->n_code ? g->n_code : 1);
     g->equal = PyMem_Malloc(sizeof(int64_t) * n);
-    g->bound = PyMem_Malloc(sizeof(int64_t) * (n + n / 2 + 1));
+    g->bound = PyMem_Malloc(sizeof(int64_t) * n);   /* each part holds at most the code */
     g->rest = PyMem_Malloc(sizeof(int64_t) * n);
     if (g->equal == NULL || g->bound == NULL || g->rest == NULL) {
         PyErr_NoMemory();

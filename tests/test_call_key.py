@@ -447,3 +447,60 @@ def test_a_key_built_inside_another_key_gets_its_own_block():
     assert len(inner_results) >= 4
     assert all(torch.equal(r, torch.full((3,), -4.0)) for r in inner_results)
     assert nnscaler.cache_info(outer).hits >= 2 and nnscaler.cache_info(inner).hits >= 2
+
+
+def _sum12(*xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
+
+
+def _sum12_other(*xs):
+    out = xs[0]
+    for x in xs[1:]:
+        out = out - x
+    return out
+
+
+def test_aliases_past_the_linear_scan_are_found():
+    """Past 8 tensors aliases are found through a hashed set (guards/call_key.c): which
+    slots are one tensor is still part of the key, wherever the pair lies."""
+    xs = [torch.full((2,), float(i)) for i in range(12)]
+    patterns = [list(range(12)), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 3],
+                [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 11], [0] * 12,
+                [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 3]]
+    keys = [_C.call_key_bytes(_C.CallKey(*[xs[i] for i in p])) for p in patterns]
+    assert keys[1] == keys[4] and len({keys[0], keys[1], keys[2], keys[3]}) == 4
+    g = nnscaler.compile(_sum12)
+    for p in patterns:
+        args = [xs[i] for i in p]
+        assert torch.equal(g(*args), _sum12(*args)), p
+    assert nnscaler.cache_info(g).hits == 1   # the repeated pattern
+
+
+def test_a_key_built_inside_a_key_past_the_linear_scan():
+    """A subclass's getter, met at the 10th tensor (the hashed alias set in use), calls
+    another compiled function of twelve inputs with aliases of its own: each key keeps
+    its own set, both calls stay correct and hit."""
+    inner = nnscaler.compile(_sum12_other)
+    ones = [torch.full((3,), float(i)) for i in range(11)]
+    inner_args = ones + [ones[9]]
+    inner_results = []
+
+    class Reentrant(torch.Tensor):
+        @property
+        def shape(self):
+            inner_results.append(inner(*inner_args))
+            return super().shape
+
+    outer = nnscaler.compile(_sum12)
+    xs = [torch.full((3,), float(i)) for i in range(9)]
+    special = torch.full((3,), 10.0).as_subclass(Reentrant)
+    args = xs + [special, xs[2], special]
+    want = _sum12(*[a.as_subclass(torch.Tensor) for a in args])
+    for _ in range(4):
+        assert torch.equal(outer(*args).as_subclass(torch.Tensor), want)
+    assert all(torch.equal(r, _sum12_other(*inner_args)) for r in inner_results)
+    assert len(inner_results) >= 4
+    assert nnscaler.cache_info(outer).hits >= 2 and nnscaler.cache_info(inner).hits >= 2
