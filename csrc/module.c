@@ -296,6 +296,12 @@ static PyMethodDef module_methods[] = {
     {"call_key_layout", cache_call_key_layout, METH_O,
      "call_key_layout(key) -> tuple: per argument value, (\"tensor\", sizes offset, ndim),\n"
      "(\"int\", offset) or (\"other\", offset) in the key's bytes."},
+    {"call_key_nested_layout", cache_call_key_nested_layout, METH_O,
+     "call_key_nested_layout(key) -> tuple: the tensor, int and float fields inside\n"
+     "structured objects, (kind, offset[, ndim], path) (guards/call_key.h)."},
+    {"set_key_struct_types", cache_set_key_struct_types, METH_O,
+     "set_key_struct_types(classes): key instances of exactly these classes by type and\n"
+     "__dict__ (transformers KV caches), not identity."},
     {"call_key_bytes", cache_call_key_bytes, METH_O,
      "call_key_bytes(key) -> bytes: what a hit compares (a CallKey or stored CacheEntry)."},
     {"shape_guards_match", cache_shape_guards_match, METH_VARARGS,

@@ -531,6 +531,23 @@ cache_call_key_layout(PyObject *Py_UNUSED(module), PyObject *key)
 }
 
 PyObject *
+cache_call_key_nested_layout(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    const unsigned char *data;
+    size_t len;
+    if (key_bytes_of(key, &data, &len, "call_key_nested_layout") < 0) {
+        return NULL;
+    }
+    return call_key_nested_layout(data, len);
+}
+
+PyObject *
+cache_set_key_struct_types(PyObject *Py_UNUSED(module), PyObject *types)
+{
+    return call_key_set_struct_types(types) < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+PyObject *
 cache_call_key_bytes(PyObject *Py_UNUSED(module), PyObject *key)
 {
     const unsigned char *data;

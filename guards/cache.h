@@ -127,6 +127,8 @@ int cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key);
  * shape_guards_match(stored, key, wild, code) -> bool: `key` a CallKey or a stored
  * CacheEntry; the last runs a shape-guard program on two byte strings (tests). */
 PyObject *cache_call_key_layout(PyObject *module, PyObject *key);
+PyObject *cache_call_key_nested_layout(PyObject *module, PyObject *key);
+PyObject *cache_set_key_struct_types(PyObject *module, PyObject *types);
 PyObject *cache_call_key_bytes(PyObject *module, PyObject *key);
 PyObject *cache_shape_guards_match(PyObject *module, PyObject *args);
 

@@ -25,6 +25,8 @@ enum {
                          fields, sizes, strides */
     TAG_UNTRACKED,    /* the tensor that follows is past CALL_KEY_MAX_ALIAS: alias
                          detection is off from there */
+    TAG_STRUCT,       /* an object of a structured type (call_key_set_struct_types):
+                         its type, then its instance __dict__ as a TAG_DICT */
 };
 
 /* How the Python path (TAG_TENSOR) records a tensor's dtype, and how it and TAG_DEVICE
@@ -443,6 +445,73 @@ done:
     return err;
 }
 
+/* Types whose instances are keyed by their contents (call_key_set_struct_types):
+ * owned, compared by address, so checking a type runs no Python. */
+static PyTypeObject *struct_types[CALL_KEY_MAX_STRUCT_TYPES];
+static int n_struct_types;
+
+int
+call_key_set_struct_types(PyObject *types)
+{
+    if (!PyTuple_Check(types) || PyTuple_GET_SIZE(types) > CALL_KEY_MAX_STRUCT_TYPES) {
+        PyErr_Format(PyExc_TypeError, "set_struct_types: expected a tuple of at most %d "
+                     "classes, got %.100s", CALL_KEY_MAX_STRUCT_TYPES, Py_TYPE(types)->tp_name);
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(types);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *type = PyTuple_GET_ITEM(types, i);
+        if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_dictoffset == 0) {
+            PyErr_Format(PyExc_TypeError, "set_struct_types: item %zd is %.100R, not a "
+                         "class whose instances have a __dict__", i, type);
+            return -1;
+        }
+    }
+    PyTypeObject *old[CALL_KEY_MAX_STRUCT_TYPES];
+    int n_old = n_struct_types;
+    memcpy(old, struct_types, sizeof(old));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct_types[i] = (PyTypeObject *)Py_NewRef(PyTuple_GET_ITEM(types, i));
+    }
+    n_struct_types = (int)n;
+    for (int i = 0; i < n_old; i++) {
+        Py_DECREF(old[i]);   /* classes: no finaliser of an instance runs */
+    }
+    return 0;
+}
+
+static inline int
+is_struct_type(PyTypeObject *type)
+{
+    for (int i = 0; i < n_struct_types; i++) {
+        if (struct_types[i] == type) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A structured object: its type (pinned), then its __dict__ by value.  1 when
+ * handled, 0 when it has no plain dict (keyed by identity instead), -1 on error. */
+static int
+put_struct(CallKey *key, PyObject *v, int depth)
+{
+    PyObject *dict = nns_object_dict(v);
+    if (dict == NULL || !PyDict_CheckExact(dict)) {
+        return 0;
+    }
+    PyTypeObject *type = Py_TYPE(v);
+    if (put_tag(key, TAG_STRUCT) < 0 || put_ptr(key, type) < 0 || pin(key, (PyObject *)type) < 0) {
+        return -1;
+    }
+    /* put_dict walks a snapshot of the items: `v` (kept alive by our caller) may lose
+     * this dict meanwhile without freeing what the walk reads. */
+    Py_INCREF(dict);
+    int err = put_dict(key, dict, depth + 1);
+    Py_DECREF(dict);
+    return err < 0 ? -1 : 1;
+}
+
 /* Immutable values that are not of an exact builtin type but are keyed by value
  * rather than identity (a new object per call would otherwise recapture per call):
  * torch.Size and named tuples, NumPy scalars, torch.device.  1 when handled. */
@@ -537,7 +606,11 @@ put_value(CallKey *key, PyObject *v, int depth)
             return put_dict(key, v, depth);
         }
         else {
-            int handled = put_value_type(key, v, depth);
+            int handled = n_struct_types > 0 && is_struct_type(type)
+                          ? put_struct(key, v, depth) : 0;
+            if (handled == 0) {
+                handled = put_value_type(key, v, depth);
+            }
             if (handled != 0) {
                 return handled < 0 ? -1 : 0;
             }
@@ -1016,8 +1089,10 @@ rd_items(Reader *r, int depth, const char *open, const char *close, int one_comm
     out_s(r, n == 1 && one_comma ? ",)" : close);
 }
 
+/* A dict's items; `attrs`: an object's __dict__ (TAG_STRUCT), whose keys read as
+ * attribute names in paths (`.keys`, not `['keys']`). */
 static void
-rd_dict(Reader *r, int depth)
+rd_dict(Reader *r, int depth, int attrs)
 {
     int64_t n = rd_i64(r);
     if (n < 0 || n > r->end - r->p) {
@@ -1032,9 +1107,14 @@ rd_dict(Reader *r, int depth)
         }
         size_t key_at = r->out.len;
         rd_value(r, depth + 1);   /* the dict key (a tensor key's path: the dict's) */
-        if (path_len < MAX_PATH && r->out.buf != NULL) {
+        size_t key_len = r->out.buf != NULL ? r->out.len - key_at : 0;
+        if (path_len < MAX_PATH && attrs && key_len >= 2 && r->out.buf[key_at] == '\'') {
+            text_put(r, &r->path, ".", 1);
+            text_put(r, &r->path, r->out.buf + key_at + 1, key_len - 2);
+        }
+        else if (path_len < MAX_PATH && r->out.buf != NULL) {
             text_put(r, &r->path, "[", 1);
-            text_put(r, &r->path, r->out.buf + key_at, r->out.len - key_at);
+            text_put(r, &r->path, r->out.buf + key_at, key_len);
             text_put(r, &r->path, "]", 1);
         }
         out_s(r, ": ");
@@ -1123,7 +1203,15 @@ rd_value(Reader *r, int depth)
         rd_items(r, depth, "[", "]", 0);
         break;
     case TAG_DICT:
-        rd_dict(r, depth);
+        rd_dict(r, depth, 0);
+        break;
+    case TAG_STRUCT:
+        out_pinned_type(r, rd_ptr(r));
+        if (rd_tag(r) != TAG_DICT) {
+            r->malformed = 1;
+            break;
+        }
+        rd_dict(r, depth + 1, 1);
         break;
     case TAG_TENSOR:
     case TAG_TENSOR_META:
@@ -1343,6 +1431,137 @@ done:
     return result;
 }
 
+/* A field's layout item at `start` (a TAG_TENSOR_META, TAG_INT or TAG_FLOAT value),
+ * with `path` (a tuple, borrowed) appended when not NULL.  New reference, or NULL
+ * with r->malformed or an exception set. */
+static PyObject *
+field_item(Reader *r, const unsigned char *data, const unsigned char *start, PyObject *path)
+{
+    if (*start == TAG_TENSOR_META) {
+        const size_t head = offsetof(NnsTensorMeta, sizes);
+        NnsTensorMeta meta;
+        if ((size_t)(r->end - start) < 1 + sizeof(void *) + head) {
+            r->malformed = 1;
+            return NULL;
+        }
+        memcpy(&meta, start + 1 + sizeof(void *), head);
+        Py_ssize_t offset = (Py_ssize_t)(start - data) + 1 + (Py_ssize_t)(sizeof(void *) + head);
+        return path != NULL ? Py_BuildValue("(snnO)", "tensor", offset, (Py_ssize_t)meta.ndim, path)
+                            : Py_BuildValue("(snn)", "tensor", offset, (Py_ssize_t)meta.ndim);
+    }
+    const char *kind = *start == TAG_INT ? "int" : "float";
+    Py_ssize_t offset = (Py_ssize_t)(start - data) + 1;
+    return path != NULL ? Py_BuildValue("(snO)", kind, offset, path)
+                        : Py_BuildValue("(sn)", kind, offset);
+}
+
+/* A str value of the key as a str object (new reference), or NULL when the value at
+ * r->p is not a TAG_STR (nothing read) or on error (r->no_memory / malformed set). */
+static PyObject *
+rd_str_object(Reader *r)
+{
+    if (r->p >= r->end || *r->p != TAG_STR) {
+        return NULL;
+    }
+    r->p++;
+    int64_t size = rd_i64(r);
+    if (r->malformed || size < 0 || size > r->end - r->p) {
+        r->malformed = 1;
+        return NULL;
+    }
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)r->p, (Py_ssize_t)size, "surrogatepass");
+    r->p += size;
+    if (s == NULL) {
+        r->no_memory = 1;
+    }
+    return s;
+}
+
+/* Walk one value, appending to `items` a field item for every tensor, int and float
+ * inside a TAG_STRUCT, with its path (`path`: a list of steps, restored on return). */
+static void
+nested_walk(Reader *r, const unsigned char *data, PyObject *items, PyObject *path,
+            int in_struct, int depth)
+{
+    if (depth > MAX_READ_DEPTH || r->p >= r->end) {
+        r->malformed = 1;
+        return;
+    }
+    const unsigned char *start = r->p;
+    unsigned char tag = *start;
+    if (in_struct && (tag == TAG_TENSOR_META || tag == TAG_INT || tag == TAG_FLOAT)) {
+        PyObject *steps = PyList_AsTuple(path);
+        PyObject *item = steps != NULL ? field_item(r, data, start, steps) : NULL;
+        Py_XDECREF(steps);
+        if (item == NULL || PyList_Append(items, item) < 0) {
+            Py_XDECREF(item);
+            if (!r->malformed) {
+                r->no_memory = 1;
+            }
+            return;
+        }
+        Py_DECREF(item);
+        r->out.len = 0;
+        rd_value(r, depth);
+        return;
+    }
+    if (tag != TAG_STRUCT && tag != TAG_LIST && tag != TAG_TUPLE && tag != TAG_DICT) {
+        r->out.len = 0;
+        rd_value(r, depth);
+        return;
+    }
+    r->p++;
+    if (tag == TAG_STRUCT) {
+        rd_ptr(r);
+        if (rd_tag(r) != TAG_DICT) {
+            r->malformed = 1;
+            return;
+        }
+    }
+    int64_t n = rd_i64(r);
+    if (r->malformed || n < 0 || n > r->end - r->p) {
+        r->malformed = 1;
+        return;
+    }
+    int pairs = tag == TAG_STRUCT || tag == TAG_DICT;
+    for (int64_t i = 0; i < n && !r->malformed && !r->no_memory; i++) {
+        PyObject *step;
+        if (pairs) {
+            PyObject *name = rd_str_object(r);
+            if (name == NULL && (r->malformed || r->no_memory)) {
+                return;
+            }
+            if (name == NULL && r->p < r->end && *r->p == TAG_INT && tag == TAG_DICT) {
+                r->p++;
+                name = PyLong_FromLongLong((long long)rd_i64(r));
+            }
+            else if (name == NULL) {
+                r->out.len = 0;
+                rd_value(r, depth + 1);   /* a key of another kind: its value is skipped */
+                r->out.len = 0;
+                rd_value(r, depth + 1);
+                continue;
+            }
+            step = name != NULL ? Py_BuildValue("(sN)", tag == TAG_STRUCT ? "a" : "k", name)
+                                : NULL;
+        }
+        else {
+            step = Py_BuildValue("(sL)", "i", (long long)i);
+        }
+        if (step == NULL || PyList_Append(path, step) < 0) {
+            Py_XDECREF(step);
+            r->no_memory = 1;
+            return;
+        }
+        Py_DECREF(step);
+        nested_walk(r, data, items, path, in_struct || tag == TAG_STRUCT, depth + 1);
+        if (PyList_SetSlice(path, PyList_GET_SIZE(path) - 1, PyList_GET_SIZE(path), NULL) < 0) {
+            r->no_memory = 1;
+            return;
+        }
+    }
+}
+
 /* The fields a dynamic entry may make symbolic, per top-level value (see
  * call_key.h).  Describing mode without pins: nothing is held or dereferenced. */
 PyObject *
@@ -1360,21 +1579,11 @@ call_key_layout(const unsigned char *data, size_t len)
         const unsigned char *start = r.p;
         unsigned char tag = *start;
         PyObject *item = NULL;
-        if (tag == TAG_TENSOR_META) {
-            const size_t head = offsetof(NnsTensorMeta, sizes);
-            NnsTensorMeta meta;
-            if ((size_t)(r.end - start) < 1 + sizeof(void *) + head) {
-                r.malformed = 1;
+        if (tag == TAG_TENSOR_META || tag == TAG_INT || tag == TAG_FLOAT) {
+            item = field_item(&r, data, start, NULL);
+            if (item == NULL && r.malformed) {
                 break;
             }
-            memcpy(&meta, start + 1 + sizeof(void *), head);
-            item = Py_BuildValue("(snn)", "tensor",
-                                 (Py_ssize_t)(start - data) + 1 + (Py_ssize_t)(sizeof(void *) + head),
-                                 (Py_ssize_t)meta.ndim);
-        }
-        else if (tag == TAG_INT || tag == TAG_FLOAT) {
-            item = Py_BuildValue("(sn)", tag == TAG_INT ? "int" : "float",
-                                 (Py_ssize_t)(start - data) + 1);
         }
         else {
             item = Py_BuildValue("(sn)", "other", (Py_ssize_t)(start - data));
@@ -1392,6 +1601,41 @@ call_key_layout(const unsigned char *data, size_t len)
     }
 done:
     Py_DECREF(items);
+    reader_free(&r);
+    return result;
+}
+
+PyObject *
+call_key_nested_layout(const unsigned char *data, size_t len)
+{
+    Reader r;
+    reader_open(&r, data, len, 1, NULL);
+    PyObject *items = PyList_New(0);   /* owned */
+    PyObject *path = PyList_New(0);    /* owned */
+    PyObject *result = NULL;
+    if (items == NULL || path == NULL) {
+        goto done;
+    }
+    rd_grad(&r);
+    for (Py_ssize_t index = 0; r.p < r.end && !r.malformed && !r.no_memory; index++) {
+        PyObject *top = PyLong_FromSsize_t(index);
+        if (top == NULL || PyList_SetSlice(path, 0, PyList_GET_SIZE(path), NULL) < 0 ||
+            PyList_Append(path, top) < 0) {
+            Py_XDECREF(top);
+            goto done;
+        }
+        Py_DECREF(top);
+        nested_walk(&r, data, items, path, 0, 0);
+    }
+    if (PyErr_Occurred()) {
+        goto done;
+    }
+    if (reader_error(&r) == 0) {
+        result = PyList_AsTuple(items);
+    }
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(path);
     reader_free(&r);
     return result;
 }
@@ -1450,6 +1694,29 @@ key_object_tp_new(PyTypeObject *Py_UNUSED(type), PyObject *args, PyObject *kwds)
     return (PyObject *)self;
 }
 
+/* key.rebuild(*values): build the key again, in place, for these values (the miss
+ * path's key after the classes keyed by contents changed: call_key_set_struct_types).
+ * On error the key is left as it was. */
+static PyObject *
+key_object_rebuild(CallKeyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    CallKey fresh;
+    call_key_init(&fresh, CALL_KEY_PINS);
+    if (call_key_build(&fresh, args, nargs) < 0) {
+        call_key_release(&fresh);
+        return NULL;
+    }
+    call_key_move(&self->key, &fresh);
+    call_key_release(&fresh);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef key_object_methods[] = {
+    {"rebuild", (PyCFunction)(void (*)(void))key_object_rebuild, METH_FASTCALL,
+     "rebuild(*values): build the key again, in place, for these argument values."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef key_object_getset[] = {
     {"hash", (getter)key_object_get_hash, NULL, "XXH3 hash of the key (CacheEntry.key_hash)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1468,6 +1735,7 @@ PyTypeObject CallKey_Type = {
     .tp_traverse = (traverseproc)key_object_traverse,
     .tp_clear = (inquiry)key_object_clear,
     .tp_getset = key_object_getset,
+    .tp_methods = key_object_methods,
 };
 
 CallKeyObject *

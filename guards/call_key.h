@@ -3,7 +3,8 @@
  * A byte string describing everything about a call that the captured graph was
  * specialised on: grad mode, and for each argument slot its type and, for tensors,
  * dtype, device, shape, strides and requires_grad, or the index of the same tensor
- * met earlier in the key (aliased inputs); for non-tensor values their value
+ * met earlier in the key (aliased inputs); objects of the structured classes
+ * (call_key_set_struct_types) by type and `__dict__`; for non-tensor values their value
  * (None/bool/int/float/str, recursively through tuples, lists and dicts; torch.Size,
  * named tuples, NumPy scalars and torch.device by value too) or, for any other
  * object, its identity (see pin() in call_key.c).  Hashed with XXH3; a hit compares the stored
@@ -22,6 +23,7 @@
 #define CALL_KEY_MAX_ALIAS 64   /* tensors tracked for aliasing in one key */
 #define CALL_KEY_ALIAS_LINEAR 8 /* up to this many: a linear scan finds an alias */
 #define CALL_KEY_ALIAS_SLOTS 128   /* a power of two, at least 2 * CALL_KEY_MAX_ALIAS */
+#define CALL_KEY_MAX_STRUCT_TYPES 32
 
 /* CallKey.flags */
 #define CALL_KEY_PINS 1         /* collect pins while building: the key will be stored */
@@ -88,6 +90,21 @@ PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pin
  * ("other", offset of its record) for anything else.  Runs no Python; NULL with
  * an exception set (a malformed key). */
 PyObject *call_key_layout(const unsigned char *data, size_t len);
+
+/* The fields inside structured objects (TAG_STRUCT, call_key_set_struct_types), which
+ * call_key_layout reports as one "other" item: ("tensor", sizes offset, ndim, path),
+ * ("int", offset, path), ("float", offset, path), in key order; `path` is the top-level
+ * value's index, then steps ("a", attribute name), ("k", dict key) or ("i", index).
+ * Runs no Python; NULL with an exception set (a malformed key). */
+PyObject *call_key_nested_layout(const unsigned char *data, size_t len);
+
+/* Key instances of exactly these classes (a tuple; it replaces the last one) by
+ * their type and instance __dict__, by value as a dict is, in place of identity
+ * (transformers KV caches passed as arguments: a new cache object per generate()
+ * call must hit the same entries).  The classes are held.  0, or -1 with a
+ * TypeError (not a tuple of at most CALL_KEY_MAX_STRUCT_TYPES classes with a
+ * __dict__). */
+int call_key_set_struct_types(PyObject *types);
 
 /* nnscaler_eval._C.CallKey: the key of one miss, made by the miss path (dispatch.c)
  * and handed to convert_frame, which describes it; then stored with the entry.

@@ -504,3 +504,114 @@ def test_a_key_built_inside_a_key_past_the_linear_scan():
     assert all(torch.equal(r, _sum12_other(*inner_args)) for r in inner_results)
     assert len(inner_results) >= 4
     assert nnscaler.cache_info(outer).hits >= 2 and nnscaler.cache_info(inner).hits >= 2
+
+
+# --- objects keyed by their contents (TAG_STRUCT: transformers KV caches) -----------
+
+class Holder:
+    """A stand-in for a KV cache class: registered, its instances are keyed by their
+    type and __dict__."""
+
+
+class OtherHolder(Holder):
+    pass
+
+
+@pytest.fixture
+def holders_keyed():
+    from nnscaler_eval.guarding import keyed_objects
+    _C.set_key_struct_types(keyed_objects.registered() + (Holder, OtherHolder))
+    try:
+        yield
+    finally:
+        _C.set_key_struct_types(keyed_objects.registered())
+
+
+def _holder(cls=Holder, **attributes):
+    obj = cls()
+    vars(obj).update(attributes)
+    return obj
+
+
+def test_registered_objects_are_keyed_by_class_and_contents(holders_keyed):
+    a = _holder(keys=torch.ones(2, 3), n=3, layers=[_holder(v=torch.zeros(4))])
+    b = _holder(keys=torch.ones(2, 3), n=3, layers=[_holder(v=torch.zeros(4))])
+    key = _C.CallKey(a)
+    assert _C.call_key_bytes(key) == _C.call_key_bytes(_C.CallKey(b))   # not identity
+    for other in (_holder(keys=torch.ones(2, 4), n=3, layers=[_holder(v=torch.zeros(4))]),
+                  _holder(keys=torch.ones(2, 3), n=4, layers=[_holder(v=torch.zeros(4))]),
+                  _holder(OtherHolder, keys=torch.ones(2, 3), n=3,
+                          layers=[_holder(v=torch.zeros(4))]),
+                  _holder(keys=torch.ones(2, 3), n=3, layers=[_holder(v=torch.zeros(4))],
+                          extra=None)):
+        assert _C.call_key_bytes(_C.CallKey(other)) != _C.call_key_bytes(key)
+    # the same tensor twice inside: an alias, as for arguments
+    t = torch.ones(2)
+    assert (_C.call_key_bytes(_C.CallKey(_holder(k=t, v=t)))
+            != _C.call_key_bytes(_C.CallKey(_holder(k=t, v=torch.ones(2)))))
+    words = _C.describe_call_key(key, names=("cache",))[1]
+    assert words.startswith("cache: Holder{'keys': Tensor(float32, cpu, shape=(2, 3)")
+    assert "'layers': [Holder{'v': Tensor(float32" in words
+    # unregistered: by identity, as any object
+    _C.set_key_struct_types(())
+    assert "(by identity)" in _C.describe_call_key(_C.CallKey(a))[1]
+
+
+def test_nested_layout_names_every_field_inside_keyed_objects(holders_keyed):
+    obj = _holder(keys=torch.ones(2, 3), n=3, x=1.5,
+                  layers=[_holder(v=torch.zeros(4))], table={"k": torch.ones(1), 2: 5})
+    vars(obj)[7] = torch.ones(3)   # a key that is not a name: not a field
+    key = _C.CallKey(torch.ones(2), obj, (4, torch.ones(2)))
+    nested = _C.call_key_nested_layout(key)
+    paths = [item[-1] for item in nested]
+    assert paths == [(1, ("a", "keys")), (1, ("a", "n")), (1, ("a", "x")),
+                     (1, ("a", "layers"), ("i", 0), ("a", "v")),
+                     (1, ("a", "table"), ("k", "k")), (1, ("a", "table"), ("k", 2))]
+    assert [item[0] for item in nested] == ["tensor", "int", "float", "tensor", "tensor", "int"]
+    data = _C.call_key_bytes(key)
+    offset, ndim = nested[0][1], nested[0][2]
+    assert ndim == 2 and [int.from_bytes(data[offset + 8 * d:offset + 8 * d + 8], "little",
+                                         signed=True) for d in range(2)] == [2, 3]
+    assert int.from_bytes(data[nested[1][1]:nested[1][1] + 8], "little") == 3
+    assert _C.call_key_nested_layout(_C.CallKey(torch.ones(2), (1, [2]))) == ()
+
+
+class Emptying(torch.Tensor):
+    """A subclass whose shape getter (Python, run while the key is built) empties the
+    object holding it and drops what it held."""
+    victim = None
+
+    @property
+    def shape(self):
+        if Emptying.victim is not None:
+            vars(Emptying.victim).clear()
+            Emptying.victim = None
+        return torch.Tensor.shape.__get__(self)
+
+
+def test_python_run_while_a_keyed_object_is_read_cannot_free_what_the_walk_holds(
+        holders_keyed):
+    for _ in range(3):
+        obj = _holder(first=torch.ones(2).as_subclass(Emptying), second=torch.ones(3),
+                      tail=[torch.ones(4) for _ in range(3)])
+        Emptying.victim = obj
+        words = _C.describe_call_key(_C.CallKey(obj))[1]
+        assert "'second': Tensor(float32, cpu, shape=(3,)" in words   # the snapshot
+        assert vars(obj) == {}
+
+
+def test_set_key_struct_types_rejects_bad_input():
+    from nnscaler_eval.guarding import keyed_objects
+    for bad in ([Holder], (Holder, 3), (int,), tuple([Holder] * 33)):
+        with pytest.raises(TypeError, match="set_struct_types"):
+            _C.set_key_struct_types(bad)
+    assert _C.CallKey(_holder()) is not None
+    _C.set_key_struct_types(keyed_objects.registered())
+
+
+def test_rebuild_builds_the_key_again_in_place(holders_keyed):
+    key = _C.CallKey(torch.ones(2), 3)
+    before = _C.call_key_bytes(key)
+    key.rebuild(torch.ones(2, 2), 3)
+    assert _C.call_key_bytes(key) == _C.call_key_bytes(_C.CallKey(torch.ones(2, 2), 3))
+    assert _C.call_key_bytes(key) != before
