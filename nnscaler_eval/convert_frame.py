@@ -28,6 +28,8 @@ import torch
 
 from nnscaler_eval import _C, logs
 from nnscaler_eval.capture import dynamic, training
+from nnscaler_eval.capture.passed_objects import describe_writes
+from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
@@ -61,6 +63,9 @@ class EntryInfo:
     symbols: list = field(default_factory=list)
     shape_guards: list = field(default_factory=list)
     symbolic_ok: bool = False   # the capture could be made again on fake inputs
+    # what the runner writes into KV caches passed in, in words
+    # (codegen.OutputLayout.writes: "cache.layers[0].keys = graph output 2")
+    object_writes: list = field(default_factory=list)
     # why the backend compiles this dynamic entry once per size (it refused symbolic
     # inputs), or None
     per_size: Optional[str] = None
@@ -288,6 +293,10 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
     try:
         if _over_limit(config, code, bucket):
             return RUN_DISARMED, None
+        if keyed_objects.register_in(slots[first:]):
+            # A KV cache class met for the first time: keyed by its contents from now
+            # on, this call's key included (C stores the key object it passed us).
+            call_key.rebuild(*slots[first:])
         # The key in words, from its bytes (C): what a later call must equal to hit.
         key = list(_C.describe_call_key(call_key, slot_names[first:]))
         _log_recapture(code, bucket, key)
@@ -360,9 +369,12 @@ def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         reply = _capture(config, fn, code, self, slots, slot_names, bucket, key, where,
                          caller_depth, symbolic)
         fixed = symbolic.specialised()
-        if len(fixed) == len(symbolic.bindings) and not symbolic.float_symbols:
+        if (len(fixed) == len(symbolic.bindings) and not symbolic.float_symbols
+                and not dynamic.passes_kv_cache(slots[first:])):
             # Every symbol was fixed to its value: symbolic captures of this forward
-            # would only cost more. This one stands; later ones are static.
+            # would only cost more. This one stands; later ones are static.  (Not for
+            # a decoder step: its first cache may hold one token, a size that is
+            # always fixed, and the next step's sizes are not.)
             dynamic.failed(bucket)
             logs.recaptures.info("%s: sizes stay static (specialised: %s)", where,
                                  "; ".join(fixed))
@@ -648,6 +660,9 @@ def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
                      config.backend_name, runner, guards.not_guarded,
                      reads.global_state[0] if reads is not None else None,
                      capture.runner_spec.state_writes if capture.runner_spec is not None else ())
+    if capture.runner_spec is not None:
+        info.object_writes = describe_writes(capture.runner_spec.output.writes,
+                                             capture.slot_names)
     if symbolic is not None:
         wild, program, words = symbolic.guard_program()
         info.symbols = symbolic.symbols_in_words()

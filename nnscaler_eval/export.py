@@ -103,14 +103,14 @@ def _symbolic_inputs(fn: Any, slots: tuple, slot_names: tuple, dynamic_dims: Opt
             raise ValueError(f"nnscaler.export: dynamic_dims: {name!r} is a "
                              f"{type(value).__name__}, not a tensor")
         fields.update((names.index(name), d) for d in dynamic._dims_of(value, dims, "export"))
-    fields |= dynamic._marked(values)[0]
+    fields |= {f for f in dynamic.marked_dims(values) if f[0] < len(values)}
     if not fields:
         return None
     if fn.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):
         raise ValueError(f"nnscaler.export: dynamic dimensions need a forward without "
                          f"*args/**kwargs ({where})")
     key = _C.CallKey(*values)
-    candidates = dynamic._symbolic_candidates(_C.call_key_layout(key), values)
+    candidates = dynamic.candidates(key, values)
     for index, dim in sorted(fields, key=str):
         if (index, dim) not in candidates:
             raise ValueError(f"nnscaler.export: {names[index]} dimension {dim} cannot be "

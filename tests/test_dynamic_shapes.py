@@ -488,8 +488,8 @@ def test_plan_ignores_subclasses_parameters_and_nested_tensors():
 
     values = (torch.randn(2, 3).as_subclass(Sub), nn.Parameter(torch.randn(2)),
               (torch.randn(2),), 3)
-    layout = _C.call_key_layout(_C.CallKey(*values))
-    assert set(dynamic._symbolic_candidates(layout, values)) == {(3, None)}
+    table = dynamic.field_table(_C.CallKey(*values), values)
+    assert set(dynamic._symbolic_candidates(table)) == {(3, None)}
 
 
 class TensorTimestep(nn.Module):

@@ -43,7 +43,11 @@ and every int argument symbolic from the first capture; `mark_dynamic` /
 dimensions.  Only top-level arguments are made symbolic: plain tensors (not
 parameters, not subclasses), ints, and floats (graph inputs for arithmetic only: a
 Python decision on a float is a float guard, which the int program cannot check, so
-such a forward stays static); tensors nested in containers stay static.
+such a forward stays static), and the tensors, ints and floats inside a KV cache passed
+in (`call_key_nested_layout` gives their key offsets and attribute paths; the fake
+arguments are copies of the cache, `passed_objects.copy_with`); tensors nested in
+other containers stay static.  A call that passes a KV cache has every such field
+symbolic from its first capture: a decoder's lengths vary by design.
 
 Backends: the eager runner reads sizes on every call; a torch.compile backend gets
 the graph with these fake inputs (their ShapeEnv), compiles it once, and the guards it
@@ -62,12 +66,14 @@ from typing import Any, Iterator, Optional
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch._guards import GuardSource, Source
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy import functions as torch_sympy
 
 from nnscaler_eval import _C
+from nnscaler_eval.capture import passed_objects
 from nnscaler_eval.tracing.locations import user_location
 
 # A field of the call key that can be symbolic: (argument index, dimension), or
@@ -153,10 +159,45 @@ def _i64(data: bytes, offset: int) -> int:
     return struct.unpack_from("q", data, offset)[0]
 
 
-def _symbolic_candidates(layout: tuple, values: tuple) -> dict[Field, int]:
+def _step(step: tuple) -> Any:
+    kind, value = step
+    return (pytree.GetAttrKey(value) if kind == "a" else pytree.MappingKey(value)
+            if kind == "k" else pytree.SequenceKey(value))
+
+
+def _key_text(key: Any) -> str:
+    """A pytree key as it reads in source: `.keys`, `[0]`, `['k']`."""
+    if isinstance(key, pytree.GetAttrKey):
+        return f".{key.name}"
+    if isinstance(key, pytree.SequenceKey):
+        return f"[{key.idx}]"
+    return f"[{key.key!r}]"
+
+
+def field_table(call_key: Any, values: tuple) -> Optional[list[tuple[tuple, Any, tuple]]]:
+    """The key's fields with the values they describe: one (layout item, value,
+    (argument index, pytree keys)) per argument, then one per tensor, int and float
+    inside a KV cache passed in (call_key_nested_layout); a Field's index is a
+    position in this list.  None when the key does not describe `values`."""
+    layout = _C.call_key_layout(call_key)
+    if len(layout) != len(values):
+        return None
+    table = [(item, value, (index, ())) for index, (item, value) in enumerate(zip(layout, values))]
+    for item in _C.call_key_nested_layout(call_key):
+        index, *steps = item[-1]
+        keys = tuple(_step(step) for step in steps)
+        try:
+            value = passed_objects.resolve(values[index], keys)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None   # the arguments changed since the key was built
+        table.append((item[:-1], value, (index, keys)))
+    return table
+
+
+def _symbolic_candidates(table: list) -> dict[Field, int]:
     """Every field that may be made symbolic, with its key offset."""
     fields: dict[Field, int] = {}
-    for index, (item, value) in enumerate(zip(layout, values)):
+    for index, (item, value, _) in enumerate(table):
         if item[0] == "tensor" and type(value) is torch.Tensor:
             _, offset, ndim = item
             for d in range(ndim):
@@ -166,16 +207,15 @@ def _symbolic_candidates(layout: tuple, values: tuple) -> dict[Field, int]:
     return fields
 
 
-def _differing(layout: tuple, data: bytes, other_layout: tuple, other: bytes,
-               values: tuple) -> Optional[set[Field]]:
+def _differing(table: list, data: bytes, other_table: list, other: bytes) -> Optional[set[Field]]:
     """The fields in which two keys differ, when they differ only in sizes (with the
     strides of tensors whose sizes differ) and int values; else None."""
-    if len(data) != len(other) or layout != other_layout:
+    if len(data) != len(other) or [t[0] for t in table] != [t[0] for t in other_table]:
         return None
     ignored: set[int] = set()   # offsets of 8-byte fields compared below, not as bytes
     diff: set[Field] = set()
-    for index, item in enumerate(layout):
-        if item[0] == "tensor" and type(values[index]) is torch.Tensor:
+    for index, (item, value, _) in enumerate(table):
+        if item[0] == "tensor" and type(value) is torch.Tensor:
             _, offset, ndim = item
             sizes = [d for d in range(ndim)
                      if _i64(data, offset + 8 * d) != _i64(other, offset + 8 * d)]
@@ -183,7 +223,7 @@ def _differing(layout: tuple, data: bytes, other_layout: tuple, other: bytes,
             if sizes:
                 diff.update((index, d) for d in sizes)
                 ignored.update(offset + 8 * (ndim + d) for d in range(ndim))
-        elif item[0] in ("int", "float") and type(values[index]) in (int, float):
+        elif item[0] in ("int", "float") and type(value) in (int, float):
             if _i64(data, item[1]) != _i64(other, item[1]):
                 diff.add((index, None))
             ignored.add(item[1])
@@ -197,29 +237,43 @@ def _differing(layout: tuple, data: bytes, other_layout: tuple, other: bytes,
     return diff
 
 
-def _marked(values: tuple) -> tuple[set[Field], set[Field]]:
+def _marked(table: list) -> tuple[set[Field], set[Field]]:
     dynamic: set[Field] = set()
     static: set[Field] = set()
-    for index, value in enumerate(values):
+    for index, (_, value, _) in enumerate(table):
         if isinstance(value, torch.Tensor):
             dynamic.update((index, d) for d in getattr(value, "_dynamo_dynamic_indices", ()))
             static.update((index, d) for d in getattr(value, "_dynamo_static_indices", ()))
     return dynamic, static
 
 
+def candidates(call_key: Any, values: tuple) -> dict[Field, int]:
+    """The fields of a key that may be made symbolic, with their key offsets."""
+    table = field_table(call_key, values)
+    return _symbolic_candidates(table) if table is not None else {}
+
+
+def marked_dims(values: tuple) -> set[Field]:
+    """The top-level tensor arguments' dimensions marked dynamic (mark_dynamic)."""
+    return _marked([(None, value, None) for value in values])[0]
+
+
 def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[frozenset]:
     """The fields to make symbolic in this miss's capture, or None (a static one)."""
     if config.dynamic is False or bucket in _failed:
         return None
-    layout = _C.call_key_layout(call_key)
-    if len(layout) != len(values):
+    table = field_table(call_key, values)
+    if table is None:
         return None
-    candidates = _symbolic_candidates(layout, values)
+    candidates = _symbolic_candidates(table)
     if not candidates:
         return None
-    marked, static = _marked(values)
+    marked, static = _marked(table)
     wanted = set(marked)
-    if config.dynamic:
+    if config.dynamic or (config.dynamic is None and passes_kv_cache(values)):
+        # A decoder step with a KV cache: its lengths (the prompt's, the cache's) vary
+        # by design, so its sizes are symbolic from the first capture, as with
+        # dynamic=True (a first static capture would serve one length only).
         wanted |= set(candidates)
     else:
         data = _C.call_key_bytes(call_key)
@@ -227,8 +281,9 @@ def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[fro
             info = getattr(entry, "info", None)
             if info is None or entry.runner is None or not getattr(info, "symbolic_ok", False):
                 continue
-            diff = _differing(layout, data, _C.call_key_layout(entry),
-                              _C.call_key_bytes(entry), values)
+            other = _stored_table(entry, table)
+            diff = (_differing(table, data, other, _C.call_key_bytes(entry))
+                    if other is not None else None)
             if diff:
                 wanted |= diff
         remembered = _symbolic_fields.get(bucket)
@@ -245,6 +300,22 @@ def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[fro
     if not config.dynamic:
         _symbolic_fields.setdefault(bucket, set()).update(wanted)
     return frozenset(wanted)
+
+
+def passes_kv_cache(values: tuple) -> bool:
+    """Does the call pass a KV cache (whose sizes are symbolic from the first capture)?"""
+    return any(passed_objects.holds_keyed(value) for value in values)
+
+
+def _stored_table(entry: Any, table: list) -> Optional[list]:
+    """A stored entry's fields (its layouts), with this call's values: the layouts
+    must be equal for the keys to differ in fields only."""
+    layout = _C.call_key_layout(entry)
+    nested = _C.call_key_nested_layout(entry)
+    items = list(layout) + [item[:-1] for item in nested]
+    if len(items) != len(table):
+        return None
+    return [(item, value, where) for item, (_, value, where) in zip(items, table)]
 
 
 def failed(bucket: Any) -> None:
@@ -287,24 +358,39 @@ class SymbolicInputs:
         self.origins: dict[sympy.Symbol, str] = {}      # symbol -> "x.size(1)", "n"
         self.wild: set[int] = set()
         self.stride_checks: list[tuple[int, Any]] = []  # (key offset, expression)
-        self.scalar_slots: dict[int, sympy.Symbol] = {}    # argument index -> its symbol
+        # Symbolic int and float inputs: (argument index, pytree keys, symbol).
+        self.scalar_inputs: list[tuple[int, tuple, sympy.Symbol]] = []
         self.sources: dict[sympy.Symbol, tuple[int, Optional[int]]] = {}
         self.symbol_nodes: dict[sympy.Symbol, Any] = {}
         self._emitted: dict[tuple[int, Any], Any] = {}
-        layout = _C.call_key_layout(call_key)
-        fake: list[Any] = list(values)
-        for index, value in enumerate(values):
+        table = field_table(call_key, values)
+        if table is None:
+            raise Unsupported("the arguments changed since their key was built")
+        self.field_values: list[Any] = [value for _, value, _ in table]
+        replaced: dict[tuple[int, tuple], Any] = {}
+        for index, (item, value, (top, keys)) in enumerate(table):
             dims = {d for (i, d) in fields if i == index}
             if not dims:
                 continue
-            item = layout[index]
+            name = names[top] + "".join(_key_text(k) for k in keys)
             if None in dims and type(value) is float:
-                fake[index] = self._float(index, value, item[1], names[index])
+                fake = self._float(index, value, item[1], name)
             elif None in dims:
-                fake[index] = self._int(index, value, item[1], names[index])
+                fake = self._int(index, value, item[1], name)
             else:
-                fake[index] = self._tensor(index, value, dims, item[1], names[index])
-        self.values = tuple(fake)
+                fake = self._tensor(index, value, dims, item[1], name)
+            self.field_values[index] = fake
+            if isinstance(fake, (torch.SymInt, torch.SymFloat)):
+                self.scalar_inputs.append((top, keys, fake.node.expr))
+            replaced[(top, keys)] = fake
+        # Arguments holding KV caches are copied (passed_objects.copy_with) whether or
+        # not a field of theirs is symbolic: the forward writes into the copy.
+        self.values = tuple(
+            replaced[(index, ())] if (index, ()) in replaced
+            else passed_objects.copy_with(value, lambda keys, leaf, _i=index:
+                                          replaced.get((_i, keys), leaf))
+            if passed_objects.holds_keyed(value) else value
+            for index, value in enumerate(values))
 
     def _int(self, index: int, value: int, offset: int, name: str) -> Any:
         symbol = self.shape_env.create_symbol(value, ArgumentSource(name),
@@ -314,7 +400,6 @@ class SymbolicInputs:
         self.bindings[symbol] = offset
         self.origins[symbol] = name
         self.wild.add(offset)
-        self.scalar_slots[index] = symbol
         self.sources[symbol] = (index, None)
         return self.shape_env.create_symintnode(symbol, hint=value)
 
@@ -327,7 +412,6 @@ class SymbolicInputs:
         self.float_symbols.add(symbol)
         self.origins[symbol] = name
         self.wild.add(offset)
-        self.scalar_slots[index] = symbol
         self.sources[symbol] = (index, None)
         return self.shape_env.create_symfloatnode(symbol, hint=value)
 

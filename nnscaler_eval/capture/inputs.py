@@ -1,8 +1,9 @@
 """Which arguments can be graph inputs, and what their placeholders are called.
 
 A tensor leaf of the frame's argument slots (pytree containers looked into) is a
-placeholder; a leaf that is some other object carrying tensors (an HF KV cache) cannot
-be one: the frame falls back, known before anything runs (`input_fallback`).
+placeholder, and so are the tensors of a KV cache passed in (capture/passed_objects.py);
+a leaf that is some other object carrying tensors cannot be one: the frame falls back,
+known before anything runs (`input_fallback`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_eval.capture.calls import LITERAL_TYPES
 from nnscaler_eval.capture.results import Fallback
+from nnscaler_eval.guarding import keyed_objects
 
 
 def holds_tensor(obj: Any, depth: int = 0, seen: Optional[set[int]] = None) -> bool:
@@ -46,7 +48,7 @@ def holds_tensor(obj: Any, depth: int = 0, seen: Optional[set[int]] = None) -> b
 def hidden_tensors(leaf: Any) -> bool:
     """A pytree leaf that carries tensors the graph could not take as inputs."""
     return (not isinstance(leaf, (torch.Tensor, *LITERAL_TYPES, nn.Module))
-            and holds_tensor(leaf))
+            and not keyed_objects.is_keyed(leaf) and holds_tensor(leaf))
 
 
 def hidden_tensors_reason(slot_name: str, leaf: Any) -> str:

@@ -7,7 +7,6 @@ outputs, constants, and argument slots returned as they are.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,9 +19,11 @@ from nnscaler_eval.capture.calls import LITERAL_TYPES
 from nnscaler_eval.capture.inputs import holds_tensor
 from nnscaler_eval.capture.nodes import NodeMap, class_name
 from nnscaler_eval.capture.results import Capture, Fallback
+from nnscaler_eval.guarding.keyed_objects import kv_cache_class
 from nnscaler_eval.capture.training import TrackedModules
+from nnscaler_eval.capture.passed_objects import ObjectSnapshot
 from nnscaler_eval.runners.codegen import (
-    ConstantOutput, GraphOutput, OutputLayout, RebuiltOutput, RunnerSpec, SlotOutput,
+    ConstantOutput, GraphOutput, InputPath, OutputLayout, RebuiltOutput, RunnerSpec, SlotOutput,
 )
 from nnscaler_eval.tracing.tracked_values import TrainingFlag, _TrackedNumber, quiet_plain
 
@@ -59,22 +60,19 @@ def rebuildable(value: Any) -> bool:
     anew per call (`object.__new__` and its `__dict__`; no `__slots__`, no `__new__` of
     its own).  Only those: an arbitrary object may hold state its `__dict__` does not
     show (C fields, identity other code relies on)."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
-        return False
-    bases = tuple(getattr(cache_utils, name) for name in ("Cache", "CacheLayerMixin")
-                  if isinstance(getattr(cache_utils, name, None), type))
-    cls = type(value)
-    return (bool(bases) and isinstance(value, bases) and cls.__new__ is object.__new__
-            and isinstance(getattr(value, "__dict__", None), dict)
-            and not any(vars(c).get("__slots__") for c in cls.__mro__[:-1]))
+    return isinstance(getattr(value, "__dict__", None), dict) and kv_cache_class(type(value))
 
 
 def object_shape(value: Any, graph_arg: Callable[[Any], Any], graph_outputs: list[Any],
-                 seen: set[int], depth: int = _TEMPLATE_DEPTH) -> Optional[tuple]:
+                 seen: set[int], depth: int = _TEMPLATE_DEPTH,
+                 passed: Callable[[Any], Any] = lambda value: None) -> Optional[tuple]:
     """The RebuiltOutput shape of `value` (codegen.RebuiltOutput), its tensors appended
     to `graph_outputs` as nodes; None when part of it cannot be built anew per call
-    (an object of another kind, one object reached twice, too deep)."""
+    (an object of another kind, one object reached twice, too deep).  An object passed
+    in (a KV cache argument) is itself: `passed(value)` gives its InputPath."""
+    where = passed(value) if not isinstance(value, (torch.Tensor, *_IMMUTABLE)) else None
+    if where is not None:
+        return ("input", where)
     if isinstance(value, (torch.Tensor, *_SYMBOLIC)):
         node = graph_arg(value)
         if not isinstance(node, fx.Node):
@@ -87,17 +85,18 @@ def object_shape(value: Any, graph_arg: Callable[[Any], Any], graph_outputs: lis
         return None
     seen.add(id(value))
     if type(value) in (list, tuple):
-        items = [object_shape(v, graph_arg, graph_outputs, seen, depth - 1) for v in value]
+        items = [object_shape(v, graph_arg, graph_outputs, seen, depth - 1, passed)
+                 for v in value]
         return None if None in items else ("list" if type(value) is list else "tuple",
                                            tuple(items))
     if type(value) is dict:
         if not all(isinstance(k, (bool, int, str)) for k in value):
             return None
-        entries = [(k, object_shape(v, graph_arg, graph_outputs, seen, depth - 1))
+        entries = [(k, object_shape(v, graph_arg, graph_outputs, seen, depth - 1, passed))
                    for k, v in value.items()]
         return None if any(s is None for _, s in entries) else ("dict", tuple(entries))
     if rebuildable(value):
-        fields = [(name, object_shape(v, graph_arg, graph_outputs, seen, depth - 1))
+        fields = [(name, object_shape(v, graph_arg, graph_outputs, seen, depth - 1, passed))
                   for name, v in vars(value).items()]
         if any(s is None for _, s in fields):
             return None
@@ -111,6 +110,7 @@ def output_layout(
     graph_arg: Callable[[Any], Any],
     refuse: Callable[[str], None],
     rebuild_objects: bool = False,
+    passed: Optional[ObjectSnapshot] = None,
 ) -> Optional[tuple[OutputLayout, list[fx.Node]]]:
     """How the runner rebuilds `result`, and the nodes the graph returns.
 
@@ -118,7 +118,13 @@ def output_layout(
     RecordingAborted); a leaf the runner could not rebuild is handed to `refuse`, which
     ends the capture, and then there is no layout (None).  With `rebuild_objects`, a
     KV cache the forward returns is built anew by the runner (`rebuildable`).
+    `passed`: the KV caches passed in, before the forward ran: one returned is itself,
+    and what the forward wrote into them becomes the layout's writes.
     """
+    def where(value: Any) -> Optional[InputPath]:
+        at = passed.where(value) if passed else None
+        return InputPath(*at) if at is not None else None
+
     leaves, spec = pytree.tree_flatten(result)
     layout: list[Any] = []
     graph_outputs: list[Any] = []
@@ -135,8 +141,9 @@ def output_layout(
             layout.append(ConstantOutput(leaf))
         else:
             slot = next((i for i, s in enumerate(slots) if s is leaf), None)
-            shape = (object_shape(leaf, graph_arg, graph_outputs, set())
-                     if slot is None and rebuild_objects and rebuildable(leaf) else None)
+            shape = (object_shape(leaf, graph_arg, graph_outputs, set(), passed=where)
+                     if slot is None and rebuild_objects and (
+                         rebuildable(leaf) or where(leaf) is not None) else None)
             if slot is not None:
                 layout.append(SlotOutput(slot))
             elif shape is not None:
@@ -149,7 +156,15 @@ def output_layout(
                 return None
             else:
                 layout.append(ConstantOutput(leaf))
-    return OutputLayout(spec, tuple(layout)), graph_outputs
+    writes: list[tuple] = []
+    if passed:
+        found, reason = passed.writes(
+            lambda value: object_shape(value, graph_arg, graph_outputs, set(), passed=where))
+        if reason is not None:
+            refuse(reason)
+            return None
+        writes = [(kind, InputPath(*at), *rest) for kind, at, *rest in found]
+    return OutputLayout(spec, tuple(layout), tuple(writes)), graph_outputs
 
 
 def make_capture(

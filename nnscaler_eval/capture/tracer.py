@@ -27,16 +27,17 @@ from torch.overrides import TorchFunctionMode
 from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.capture import calls, output
+from nnscaler_eval.capture import calls, output, passed_objects
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
-from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, key_suffix
+from nnscaler_eval.capture.inputs import hidden_tensors, hidden_tensors_reason, holds_tensor, key_suffix
 from nnscaler_eval.tracing.locations import is_library_file, record_source, user_location
 from nnscaler_eval.capture.nodes import NodeMap
 from nnscaler_eval.capture.results import Capture, Fallback, GraphBreakError, RecordingAborted
+from nnscaler_eval.guarding.keyed_objects import is_keyed
 from nnscaler_eval.capture.training import (
     MISSING_VALUE,
     TrackedModules,
@@ -256,8 +257,13 @@ class Tracer(TorchFunctionMode):
 
     def _prepare(self) -> None:
         # Placeholders: every tensor leaf of the slots.
+        # KV caches passed in: their tensors are placeholders too, and what the
+        # forward writes into them is replayed (passed_objects).
+        self.passed = (passed_objects.ObjectSnapshot(self.slots) if self.rebuild_objects
+                       else None)
         for index, (slot, slot_name) in enumerate(zip(self.slots, self.slot_names)):
-            leaves = pytree.tree_flatten_with_path(slot)[0]
+            leaves = (passed_objects.input_leaves(slot) if self.passed
+                      else pytree.tree_flatten_with_path(slot)[0])
             for keys, leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
                     name = slot_name + "".join(key_suffix(k) for k in keys)
@@ -265,17 +271,19 @@ class Tracer(TorchFunctionMode):
                     node.meta["nnscaler_input"] = InputPath(index, tuple(keys))
                     if id(leaf) not in self.nodes.tensor_nodes:
                         self.nodes.map(leaf, node)
-                elif hidden_tensors(leaf):
+                elif hidden_tensors(leaf) or (is_keyed(leaf) and holds_tensor(leaf)):
+                    # (a KV cache is looked into only where the runner replays what
+                    # the forward writes into it: not for export)
                     self.graph_break(hidden_tensors_reason(slot_name, leaf),
                                      location=self._forward_location())
                     return
         if self.symbolic is not None:
             # Symbolic int and float arguments are graph inputs (after the tensors).
             first = len(self.slots) - len(self.symbolic.values)
-            for index, symbol in self.symbolic.scalar_slots.items():
-                node = self.nodes.placeholder(self.slot_names[first + index],
-                                              self.symbolic.hint(symbol))
-                node.meta["nnscaler_input"] = InputPath(first + index, ())
+            for index, keys, symbol in self.symbolic.scalar_inputs:
+                name = self.slot_names[first + index] + "".join(key_suffix(k) for k in keys)
+                node = self.nodes.placeholder(name, self.symbolic.hint(symbol))
+                node.meta["nnscaler_input"] = InputPath(first + index, keys)
                 self.symbolic.symbol_nodes[symbol] = node
         # Flags for the whole tree, not only for the modules called: a parent may read
         # a child's flag (`if self.block.training:`) without calling it.
@@ -767,7 +775,7 @@ class Tracer(TorchFunctionMode):
         node = symbolic.symbol_nodes.get(symbol)
         if node is None:
             index, dim = symbolic.sources[symbol]
-            tensor = symbolic.values[index]
+            tensor = symbolic.field_values[index]
             placeholder = self.nodes.known(tensor)
             if placeholder is None:
                 raise symbolic_shapes.Unsupported(f"{symbol} has no input node")
@@ -792,7 +800,7 @@ class Tracer(TorchFunctionMode):
 
         try:
             laid_out = output.output_layout(result, self.slots, self.graph_arg, refuse,
-                                            self.rebuild_objects)
+                                            self.rebuild_objects, self.passed)
             if laid_out is None:
                 return None
             self.sync_global_state()  # e.g. grad mode left changed by the forward

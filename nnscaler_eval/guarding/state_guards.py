@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from nnscaler_eval import _C
+from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.tracing.locations import is_library_file
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
@@ -771,6 +772,11 @@ def identity_keyed(value: Any, depth: int = 0) -> Iterable[Any]:
     (the next call passes other containers with the same contents)."""
     if isinstance(value, (_ATOMS, torch.Tensor, nn.Module)):
         return
+    if depth < MAX_DEPTH and keyed_objects.is_keyed(value):
+        # keyed by type and __dict__ (TAG_STRUCT: the dict one level down)
+        for item in list(vars(value).values()):
+            yield from identity_keyed(item, depth + 2)
+        return
     if depth >= MAX_DEPTH:
         # guards/call_key.c keys containers by value above its depth bound (the same
         # MAX_DEPTH) and by identity from there: their contents are state to guard
@@ -799,6 +805,9 @@ def argument_snapshot(values: Iterable[tuple[str, Any]]) -> Snapshot:
     def walk(value: Any, label: str, depth: int) -> None:
         if (depth > MAX_DEPTH or isinstance(value, (_ATOMS, torch.Tensor, nn.Module))
                 or isinstance(value, _OPAQUE) or id(value) in seen
+                # a KV cache: what the forward writes into it is replayed
+                # (capture/passed_objects.py), or the capture refused
+                or keyed_objects.is_keyed(value)
                 or isinstance(value, (types.FunctionType, types.ModuleType, type))):
             return
         seen.add(id(value))

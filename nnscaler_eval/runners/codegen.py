@@ -79,7 +79,8 @@ class RebuiltOutput:
     `shape` is nested tuples: ("object", cls, ((attribute, shape), ...)) for an object
     made with `object.__new__(cls)` and its `__dict__` filled; ("list" | "tuple",
     (shape, ...)); ("dict", ((key, shape), ...)); ("graph", i) for the graph's i-th
-    output; ("constant", value) for an immutable value.
+    output; ("constant", value) for an immutable value; ("input", InputPath) for an
+    object passed in (a KV cache argument), which is returned as itself.
     """
 
     shape: tuple
@@ -94,6 +95,11 @@ class OutputLayout:
 
     spec: pytree.TreeSpec
     leaves: tuple[OutputLeaf, ...]
+    # What the forward wrote into KV caches passed in, performed after the graph
+    # (capture/passed_objects.py): ("set", InputPath, attribute, shape), ("del",
+    # InputPath, attribute), ("items", InputPath, shape of the new list or dict);
+    # shapes as RebuiltOutput's.
+    writes: tuple[tuple, ...] = ()
 
     def leaf_values(self, graph_output: Callable[[int], Any],
                     slot: Callable[[int], Any]) -> list[Any]:
@@ -445,8 +451,33 @@ class _RunnerWriter:
                 )
         return expr
 
+    def object_writes(self, leaf_value: Callable[[int], str], body: list[str]) -> None:
+        """What the forward wrote into KV caches passed in, written again: every target
+        is found first (a write may replace the list a later target is reached
+        through), then each write goes into the object's `__dict__` or the
+        container, as eager's forward left them."""
+        targets: dict[InputPath, str] = {}
+        for write in self.spec.output.writes:
+            if write[1] not in targets:
+                targets[write[1]] = name = self.names.fresh("target")
+                body.append(f"{name} = {self.input_expr(write[1])}")
+        for kind, where, *rest in self.spec.output.writes:
+            target = targets[where]
+            if kind == "set":
+                value = self.rebuilt_expr(rest[1], leaf_value, body)
+                body.append(f"{target}.__dict__[{rest[0]!r}] = {value}")
+            elif kind == "del":
+                body.append(f"del {target}.__dict__[{rest[0]!r}]")
+            else:
+                value = self.rebuilt_expr(rest[0], leaf_value, body)
+                if rest[0][0] == "list":
+                    body.append(f"{target}[:] = {value}")
+                else:
+                    body.append(f"{target}.clear(); {target}.update({value})")
+
     def output_expr(self, leaf_value: Callable[[int], str], body: list[str]) -> str:
         layout = self.spec.output
+        self.object_writes(leaf_value, body)
         texts = []
         for leaf in layout.leaves:
             if isinstance(leaf, GraphOutput):
@@ -474,6 +505,8 @@ class _RunnerWriter:
             return leaf_value(shape[1])
         if kind == "constant":
             return self.render(shape[1])
+        if kind == "input":
+            return self.input_expr(shape[1])
         if kind in ("list", "tuple"):
             items = [self.rebuilt_expr(s, leaf_value, body) for s in shape[1]]
             if kind == "list":

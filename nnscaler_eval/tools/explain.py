@@ -126,6 +126,11 @@ class ExplainReport:
                     lines.append("  state written again on every hit (the forward's writes):")
                     lines += [f"    self{'.' + path if path else ''}.{name} = {value!r}"
                               for path, name, value in entry.state_writes]
+                writes = entry.object_writes
+                if writes:
+                    lines.append("  written into the arguments on every hit (KV caches "
+                                 "passed in):")
+                    lines += [f"    {w}" for w in writes]
                 if entry.not_guarded:
                     lines.append("  not guarded (beyond the state walk's bounds): "
                                  + ", ".join(entry.not_guarded[:8])
