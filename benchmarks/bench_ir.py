@@ -72,7 +72,8 @@ BARE_HOOK_SRC = os.path.join(ROOT, "benchmarks", "bare_hook.c")
 BARE_HOOK_LIB = os.path.join(ROOT, "build", "bench_ir",
                              f"libbare_hook-{sys.implementation.cache_tag}.so")
 
-GROUPS = ["inputs", "inputs_dynamic", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax"]
+GROUPS = ["inputs", "inputs_dynamic", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax",
+          "generate"]
 SIDES = ["eager", "ours", "dynamo"]
 FRAME_TAX_CALLS = 256   # plain frames per call in the frame_tax group's second point
 
@@ -657,10 +658,54 @@ def group_frame_tax(quick: bool) -> list[Point]:
     return points
 
 
+GENERATE_TOKENS = 16
+
+
+def group_generate(quick: bool) -> list[Point]:
+    """`generate()` per new token, tiny HF gpt2 and llama (benchmarks/generate_cost.py's
+    models), batch 1, an 8-token prompt, 16 new tokens, greedy, no_grad: eager; ours,
+    `nnscaler.compile(m)` (two graphs: the prefill, the decode step with the cache's
+    tensors as inputs); Dynamo, `m.forward = torch.compile(m.forward, backend="eager")`
+    (the graphs of the same forwards).  Every side runs the same generate() loop; the
+    figure is one generate() call's instructions over its 16 tokens (the prefill
+    included, as a user pays it)."""
+    import copy as copy_module
+
+    import torch
+
+    import nnscaler
+    from benchmarks.generate_cost import _model
+
+    points = []
+    for name in ("gpt2", "llama"):
+        model, ids = _model(name)
+        kwargs = dict(max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS,
+                      do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        sides: dict[str, Any] = {}
+        for side in SIDES:
+            m = copy_module.deepcopy(model)
+            if side == "ours":
+                m = nnscaler.compile(m)
+            elif side == "dynamo":
+                m.forward = torch.compile(m.forward, backend="eager")
+            sides[side] = m
+        with torch.no_grad():
+            want = sides["eager"].generate(ids, **kwargs)
+            for side, m in sides.items():
+                for _ in range(2):
+                    assert torch.equal(m.generate(ids, **kwargs), want), side
+        loops = {side: _loop(lambda m=m: m.generate(ids, **kwargs)) for side, m in sides.items()}
+        points.append(Point(f"generate() per token, tiny {name}", loops, (1, 2),
+                            per_iteration=GENERATE_TOKENS, context=torch.no_grad, warm=1,
+                            ours=[sides["ours"]], params={"model": name},
+                            captures=2))   # the prefill and the decode step
+    return points
+
+
 BUILDERS: dict[str, Callable[[bool], list[Point]]] = {
     "inputs": group_inputs, "inputs_dynamic": group_inputs_dynamic, "linear": group_linear, "stack": group_stack,
     "gpt": group_gpt, "depth": group_depth, "lookup": group_lookup,
-    "instances": group_instances, "frame_tax": group_frame_tax,
+    "instances": group_instances, "frame_tax": group_frame_tax, "generate": group_generate,
 }
 
 

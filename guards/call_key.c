@@ -27,6 +27,8 @@ enum {
                          detection is off from there */
     TAG_STRUCT,       /* an object of a structured type (call_key_set_struct_types):
                          its type, then its instance __dict__ as a TAG_DICT */
+    TAG_SHARED,       /* a structured object, or a list or dict inside one, met
+                         earlier in this key: its index among them follows */
 };
 
 /* How the Python path (TAG_TENSOR) records a tensor's dtype, and how it and TAG_DEVICE
@@ -53,6 +55,10 @@ call_key_init(CallKey *key, int flags)
     key->pins = NULL;
     key->flags = flags;
     key->n_tensors = 0;
+    key->in_struct = 0;
+    key->n_shared = 0;
+    key->cap_shared = CALL_KEY_SHARED_INLINE;
+    key->shared = key->shared_inline;
 }
 
 /* Keys of the hit path that outgrow their inline buffer (many inputs) borrow one
@@ -79,6 +85,13 @@ call_key_release(CallKey *key)
     key->len = 0;
     key->cap = CALL_KEY_INLINE;
     key->n_tensors = 0;
+    key->in_struct = 0;
+    key->n_shared = 0;
+    if (key->shared != key->shared_inline) {
+        PyMem_Free(key->shared);
+        key->shared = key->shared_inline;
+        key->cap_shared = CALL_KEY_SHARED_INLINE;
+    }
     Py_CLEAR(key->pins);
 }
 
@@ -445,6 +458,37 @@ done:
     return err;
 }
 
+/* A structured object, or a list or dict inside one: 1 when it was met before in
+ * this key (TAG_SHARED and its index written), 0 when it is new (recorded; the
+ * caller writes it), -1 on error.  The runner writes into these objects, so one
+ * object reached twice must not key like two equal ones. */
+static int
+put_shared(CallKey *key, PyObject *v)
+{
+    for (Py_ssize_t i = 0; i < key->n_shared; i++) {
+        if (key->shared[i] == (void *)v) {
+            return (put_tag(key, TAG_SHARED) < 0 || put_i64(key, i) < 0) ? -1 : 1;
+        }
+    }
+    if (key->n_shared == key->cap_shared) {
+        Py_ssize_t cap = key->cap_shared * 2;
+        void **grown = key->shared == key->shared_inline
+            ? PyMem_Malloc(sizeof(void *) * (size_t)cap)
+            : PyMem_Realloc(key->shared, sizeof(void *) * (size_t)cap);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (key->shared == key->shared_inline) {
+            memcpy(grown, key->shared_inline, sizeof(key->shared_inline));
+        }
+        key->shared = grown;
+        key->cap_shared = cap;
+    }
+    key->shared[key->n_shared++] = (void *)v;
+    return 0;
+}
+
 /* Types whose instances are keyed by their contents (call_key_set_struct_types):
  * owned, compared by address, so checking a type runs no Python. */
 static PyTypeObject *struct_types[CALL_KEY_MAX_STRUCT_TYPES];
@@ -500,6 +544,10 @@ put_struct(CallKey *key, PyObject *v, int depth)
     if (dict == NULL || !PyDict_CheckExact(dict)) {
         return 0;
     }
+    int seen = put_shared(key, v);
+    if (seen != 0) {
+        return seen;
+    }
     PyTypeObject *type = Py_TYPE(v);
     if (put_tag(key, TAG_STRUCT) < 0 || put_ptr(key, type) < 0 || pin(key, (PyObject *)type) < 0) {
         return -1;
@@ -507,7 +555,9 @@ put_struct(CallKey *key, PyObject *v, int depth)
     /* put_dict walks a snapshot of the items: `v` (kept alive by our caller) may lose
      * this dict meanwhile without freeing what the walk reads. */
     Py_INCREF(dict);
+    key->in_struct++;
     int err = put_dict(key, dict, depth + 1);
+    key->in_struct--;
     Py_DECREF(dict);
     return err < 0 ? -1 : 1;
 }
@@ -599,11 +649,14 @@ put_value(CallKey *key, PyObject *v, int depth)
         else if (type == &PyTuple_Type) {
             return put_items(key, TAG_TUPLE, v, depth);
         }
-        else if (type == &PyList_Type) {
-            return put_list(key, v, depth);
-        }
-        else if (type == &PyDict_Type) {
-            return put_dict(key, v, depth);
+        else if (type == &PyList_Type || type == &PyDict_Type) {
+            if (key->in_struct > 0) {
+                int seen = put_shared(key, v);
+                if (seen != 0) {
+                    return seen < 0 ? -1 : 0;
+                }
+            }
+            return type == &PyList_Type ? put_list(key, v, depth) : put_dict(key, v, depth);
         }
         else {
             int handled = n_struct_types > 0 && is_struct_type(type)
@@ -1204,6 +1257,9 @@ rd_value(Reader *r, int depth)
         break;
     case TAG_DICT:
         rd_dict(r, depth, 0);
+        break;
+    case TAG_SHARED:
+        out_f(r, "the same object as shared object #%lld", (long long)rd_i64(r));
         break;
     case TAG_STRUCT:
         out_pinned_type(r, rd_ptr(r));

@@ -24,6 +24,7 @@
 #define CALL_KEY_ALIAS_LINEAR 8 /* up to this many: a linear scan finds an alias */
 #define CALL_KEY_ALIAS_SLOTS 128   /* a power of two, at least 2 * CALL_KEY_MAX_ALIAS */
 #define CALL_KEY_MAX_STRUCT_TYPES 32
+#define CALL_KEY_SHARED_INLINE 16   /* keyed objects tracked without an allocation */
 
 /* CallKey.flags */
 #define CALL_KEY_PINS 1         /* collect pins while building: the key will be stored */
@@ -39,6 +40,13 @@ typedef struct {
     PyObject *pins;             /* owned list or NULL: objects keyed by identity */
     int flags;                  /* CALL_KEY_PINS, CALL_KEY_RAN_PYTHON */
     Py_ssize_t n_tensors;       /* tensors put so far */
+    /* Structured objects (TAG_STRUCT) and the lists and dicts inside them, put so
+     * far: one met again is written as TAG_SHARED and its index (the runner writes
+     * into them, so two arguments holding one object differ from two objects). */
+    int in_struct;              /* > 0 while putting a structured object's contents */
+    Py_ssize_t n_shared, cap_shared;
+    void **shared;              /* shared_inline or a PyMem block; addresses only */
+    void *shared_inline[CALL_KEY_SHARED_INLINE];
     void *tensors[CALL_KEY_MAX_ALIAS];   /* their addresses (alias detection only) */
     /* Past CALL_KEY_ALIAS_LINEAR tensors, an open-addressing set over `tensors`: the
      * index + 1 of each, 0 for an empty slot (the lookup stays O(1) per tensor). */

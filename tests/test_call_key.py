@@ -615,3 +615,31 @@ def test_rebuild_builds_the_key_again_in_place(holders_keyed):
     key.rebuild(torch.ones(2, 2), 3)
     assert _C.call_key_bytes(key) == _C.call_key_bytes(_C.CallKey(torch.ones(2, 2), 3))
     assert _C.call_key_bytes(key) != before
+
+
+def test_one_object_reached_twice_keys_unlike_two_equal_objects(holders_keyed):
+    """The runner writes into keyed objects: one cache passed twice (or one list in two
+    layers) must not hit an entry captured with two equal ones."""
+    def fresh():
+        return _holder(keys=torch.ones(2), items=[1, 2])
+    one = fresh()
+    both = _C.call_key_bytes(_C.CallKey(one, one))
+    apart = _C.call_key_bytes(_C.CallKey(fresh(), fresh()))
+    assert both != apart
+    assert "the same object as shared object #0" in _C.describe_call_key(
+        _C.CallKey(one, one))[2]
+    shared_list = [torch.ones(1)]
+    a, b = _holder(layers=shared_list), _holder(layers=shared_list)
+    c, d = _holder(layers=[torch.ones(1)]), _holder(layers=[torch.ones(1)])
+    assert _C.call_key_bytes(_C.CallKey(a, b)) != _C.call_key_bytes(_C.CallKey(c, d))
+    # plain lists outside keyed objects are keyed by value, as before
+    plain = [1, 2]
+    assert _C.call_key_bytes(_C.CallKey(plain, plain)) == _C.call_key_bytes(
+        _C.CallKey([1, 2], [1, 2]))
+    # many layers: the record of objects met grows past its inline room
+    many = _holder(layers=[_holder(k=torch.ones(1)) for _ in range(40)])
+    again = _holder(layers=[_holder(k=torch.ones(1)) for _ in range(40)])
+    assert _C.call_key_bytes(_C.CallKey(many)) == _C.call_key_bytes(_C.CallKey(again))
+    many.layers.append(many.layers[3])
+    again.layers.append(_holder(k=torch.ones(1)))
+    assert _C.call_key_bytes(_C.CallKey(many)) != _C.call_key_bytes(_C.CallKey(again))

@@ -253,3 +253,38 @@ def test_a_write_the_runner_cannot_replay_is_not_cached():
         assert torch.equal(compiled(torch.ones(2), cache), torch.ones(2) + 1)
         assert cache.note is not before   # eager's write, every call
     assert nnscaler.cache_info(compiled).hits == 0
+
+
+class _TwoCaches(nn.Module):
+    """Two cache arguments, each updated: passed one cache twice, eager updates it
+    twice (the second update sees the first's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x, first, second):
+        k, v = self.proj(x).unsqueeze(1).chunk(2, dim=-1)
+        a, _ = first.update(k, v, 0)
+        b, _ = second.update(k * 2, v * 2, 0)
+        return a.sum(-2) + b.sum(-2)
+
+
+def test_one_cache_passed_twice_is_not_two_caches():
+    torch.manual_seed(0)
+    reference = _TwoCaches()
+    compiled = nnscaler.compile(copy.deepcopy(reference))
+
+    def caches(shared):
+        first = DynamicCache()
+        return (first, first) if shared else (first, DynamicCache())
+
+    with torch.no_grad():
+        for shared in (False, True, False, True):
+            got_c, want_c = caches(shared), caches(shared)
+            for step in range(3):
+                x = torch.randn(1, 2, 4)
+                got, want = compiled(x, *got_c), reference(x, *want_c)
+                _close(got, want, (shared, step))
+                for g, w in zip(got_c, want_c):
+                    _assert_same_cache(g, w, (shared, step))
