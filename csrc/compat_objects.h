@@ -98,7 +98,8 @@ nns_tag_sum_equal(nns_tag_sum a, nns_tag_sum b)
  * starts being watched, so a cache entry that saw all its dicts unchanged at clock c
  * needs no per-dict check while the clock still reads c: one comparison per entry,
  * whatever the model's depth.  3.11: 0, always (its version tags move on any dict
- * change in the process: each dict is checked). */
+ * change in the process: each dict is read, their versions summed:
+ * NNS_DICT_TAGS_MONOTONIC above). */
 uint64_t nns_dict_clock(void);
 
 /* 1 when changes to `dict` move nns_dict_clock (it is watched now, watching it first
