@@ -50,14 +50,56 @@
  *   dict a new number on every change and drops it from the table when the dict is
  *   freed.  If the side table cannot grow (no memory) the call returns a fresh
  *   number each time, so a guard built on it fails closed (a cache miss). */
+#ifdef NNS_PY311
+/* Inline on 3.11 (a load): the state guards read one per guarded dict per hit. */
+static inline uint64_t
+nns_dict_version(PyObject *dict)
+{
+    return ((PyDictObject *)dict)->ma_version_tag;
+}
+#else
 uint64_t nns_dict_version(PyObject *dict);
+#endif
+
+#ifdef NNS_PY311
+/* 3.11 only: the version tags are MONOTONIC (PEP 509, Objects/dictobject.c of 3.11):
+ * every dict creation and every modification sets ma_version_tag = ++global counter.
+ * So a dict's version never goes down, and a dict created after a version v was
+ * read (from any dict) has a version above v.  Hence, for dicts d_i whose versions
+ * v_i were read earlier (d_i the same object since, or one made later at the same
+ * address), every d_i is unchanged iff sum(nns_dict_version(d_i)) == sum(v_i): each
+ * term can only have grown, so an equal sum leaves no room for any to have.  The sum
+ * is kept in 128 bits (nns_tag_sum, a carry count above 64), which no count of
+ * 64-bit versions overflows, so the equivalence is exact, not probable.  cache.c
+ * checks all of an entry's dict guards this way, a load and an add per dict and one
+ * compare for all (docs/design.md, "Guards").  3.12+ have the dict clock instead
+ * (below): their versions are per dict, not from one counter. */
+#  define NNS_DICT_TAGS_MONOTONIC 1
+typedef struct {
+    uint64_t low, high;
+} nns_tag_sum;
+
+static inline void
+nns_tag_sum_add(nns_tag_sum *sum, uint64_t version)
+{
+    /* add, then add with carry: the compilers this builds with (GCC, Clang) emit it so */
+    sum->high += __builtin_add_overflow(sum->low, version, &sum->low);
+}
+
+static inline int
+nns_tag_sum_equal(nns_tag_sum a, nns_tag_sum b)
+{
+    return a.low == b.low && a.high == b.high;
+}
+#endif
 
 /* "Has any dict I took a version of changed since?"  3.12+: a number that moves
  * whenever a watched dict (one nns_dict_version was called on) changes, is freed, or
  * starts being watched, so a cache entry that saw all its dicts unchanged at clock c
  * needs no per-dict check while the clock still reads c: one comparison per entry,
  * whatever the model's depth.  3.11: 0, always (its version tags move on any dict
- * change in the process: each dict is checked). */
+ * change in the process: each dict is read, their versions summed:
+ * NNS_DICT_TAGS_MONOTONIC above). */
 uint64_t nns_dict_clock(void);
 
 /* 1 when changes to `dict` move nns_dict_clock (it is watched now, watching it first

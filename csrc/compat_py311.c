@@ -63,11 +63,7 @@ nns_thread_in_trace_callback(PyThreadState *ts)
     return ts->tracing > 0;
 }
 
-uint64_t
-nns_dict_version(PyObject *dict)
-{
-    return ((PyDictObject *)dict)->ma_version_tag;
-}
+/* nns_dict_version: inline in compat_objects.h on 3.11. */
 
 uint64_t
 nns_dict_clock(void)

@@ -40,6 +40,9 @@ entry_clear(CacheEntry *self)
     Py_CLEAR(self->guard_names);
     Py_CLEAR(self->info);
     Py_CLEAR(self->pins);
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    self->n_tagged = 0;   /* the guards released their dicts */
+#endif
     return 0;
 }
 
@@ -54,6 +57,9 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
     PyMem_Free(self->owners);
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    PyMem_Free(self->tagged);
+#endif
     PyMem_Free(self->key);
     shape_guards_free(self->shapes);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -88,6 +94,79 @@ PyDoc_STRVAR(entry_doc,
 "`value_guards` are spec tuples (guards/value_guards.h) on the state the capture\n"
 "read, the module tree and hook dicts among them.  `guard_names` describe the\n"
 "guards: flag, then value guards.");
+
+#ifdef NNS_DICT_TAGS_MONOTONIC
+/* The sum of the versions at which the VG_DICT guards of `entry` last held: what
+ * dicts_unchanged_311 compares with.  Any sum of versions each guard once held at
+ * would do (an equal sum then means every dict is at that version, so at the
+ * guard's own, which lies between it and the dict's); this one is exact. */
+static nns_tag_sum
+validated_tag_sum(const CacheEntry *entry)
+{
+    nns_tag_sum sum = {0, 0};
+    for (Py_ssize_t i = 0; i < entry->n_values; i++) {
+        if (entry->values[i].kind == VG_DICT) {
+            nns_tag_sum_add(&sum, entry->values[i].version);
+        }
+    }
+    return sum;
+}
+
+/* 1 when the VG_DICT `guard` holds as it last did, by its version: its owner (if
+ * any) lives, has its class and still has the dict as its __dict__ (what
+ * guarded_dict looks at, in loads), and the dict is at the guard's version.  0 when
+ * that is not certain: value_guard_check then decides, as it always did.  Runs no
+ * Python, never raises. */
+static inline int
+dict_guard_unmoved(const ValueGuard *guard)
+{
+    if (guard->target != guard->dict) {
+        PyObject *owner = nns_weakref_object(guard->target);   /* None when dead */
+        if (Py_TYPE(owner) != guard->owner_type ||
+            nns_object_dict_at(owner, guard->dict_offset) != guard->dict) {
+            return 0;
+        }
+    }
+    return nns_dict_version(guard->dict) == guard->version;
+}
+
+/* 1 when every VG_DICT guard of `entry` holds as it last did, from one sum of version
+ * tags (compat_objects.h, NNS_DICT_TAGS_MONOTONIC): for each dict reached through its
+ * owner, what no version shows first (the owner lives, has its class, still has that
+ * dict as its __dict__: then the dict is alive and may be read), then a load and an
+ * add per dict.  0 when not all may hold: the caller checks each guard as before,
+ * which finds which one and why (and re-validates a dict that moved).  Runs no
+ * Python, never raises. */
+static inline int
+dicts_unchanged_311(const CacheEntry *entry)
+{
+    nns_tag_sum sum = {0, 0};
+    const OwnerCheck *o = entry->owners;
+    for (const OwnerCheck *const end = o + entry->n_owners; o < end; o++) {
+        /* A dead owner reads as None, whose class is not the owner's (NoneType has
+         * no instance __dict__ to guard): the class test covers it. */
+        PyObject *owner = nns_weakref_object(o->ref);
+        if (Py_TYPE(owner) != o->type || nns_object_dict_at(owner, o->offset) != o->dict) {
+            return 0;
+        }
+        nns_tag_sum_add(&sum, nns_dict_version(o->dict));
+    }
+    /* The dicts held directly (alive: their guards own them), unrolled by four. */
+    PyObject *const *tagged = entry->tagged;
+    const Py_ssize_t n = entry->n_tagged;
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        nns_tag_sum_add(&sum, nns_dict_version(tagged[i]));
+        nns_tag_sum_add(&sum, nns_dict_version(tagged[i + 1]));
+        nns_tag_sum_add(&sum, nns_dict_version(tagged[i + 2]));
+        nns_tag_sum_add(&sum, nns_dict_version(tagged[i + 3]));
+    }
+    for (; i < n; i++) {
+        nns_tag_sum_add(&sum, nns_dict_version(tagged[i]));
+    }
+    return nns_tag_sum_equal(sum, entry->tag_sum);
+}
+#endif
 
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -168,16 +247,30 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         goto error;
     }
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    if (nv > 0 && (self->tagged = PyMem_Calloc(nv, sizeof(PyObject *))) == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+#endif
     for (Py_ssize_t i = 0; i < nv; i++) {
         ValueGuard *guard = &self->values[i];
         if (guard->kind == VG_DICT && guard->owner_type != NULL) {
             self->owners[self->n_owners++] = (OwnerCheck){
                 guard->target, guard->owner_type, guard->dict, guard->dict_offset, i};
         }
-        else if (!(guard->kind == VG_DICT && guard->target == guard->dict)) {
+        else if (guard->kind == VG_DICT && guard->target == guard->dict) {
+#ifdef NNS_DICT_TAGS_MONOTONIC
+            self->tagged[self->n_tagged++] = guard->dict;
+#endif
+        }
+        else {
             self->unclocked[self->n_unclocked++] = i;
         }
     }
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    self->tag_sum = validated_tag_sum(self);
+#endif
     if ((self->guard_names = PySequence_Tuple(guard_names)) == NULL) {
         goto error;
     }
@@ -296,6 +389,40 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
         }
     }
     Py_ssize_t base = entry->n_flags;
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    /* 3.11: every dict guard at once; then what no dict version covers (lists,
+     * cells, functions, tensors, global state), in their order. */
+    if (dicts_unchanged_311(entry)) {
+        for (Py_ssize_t k = 0; k < entry->n_unclocked; k++) {
+            const Py_ssize_t i = entry->unclocked[k];
+            int ok = value_guard_check(&entry->values[i]);
+            if (ok != 1) {
+                *failed = base + i;
+                return ok;
+            }
+        }
+        return 1;
+    }
+    /* A dict moved (or an owner changed): every guard in its order, as before, a dict
+     * still at its guard's version held inline; the sum of the versions they hold at
+     * is the next one to compare with (a guard's version only grows). */
+    nns_tag_sum held = {0, 0};
+    for (Py_ssize_t i = 0; i < entry->n_values; i++) {
+        ValueGuard *guard = &entry->values[i];
+        if (guard->kind != VG_DICT || !dict_guard_unmoved(guard)) {
+            int ok = value_guard_check(guard);
+            if (ok != 1) {
+                *failed = base + i;
+                return ok;
+            }
+        }
+        if (guard->kind == VG_DICT) {
+            nns_tag_sum_add(&held, guard->version);
+        }
+    }
+    entry->tag_sum = held;
+    return 1;
+#else
     /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
      * reached through its owner, that the owner lives, has its class and still has
      * that dict as its __dict__ (CPython tells nothing of `obj.__class__ = ...` or
@@ -333,6 +460,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
      * guard that changes a dict moves the clock past it, and the next check is full). */
     entry->clean_clock = clock;
     return 1;
+#endif
 }
 
 PyDoc_STRVAR(check_verbose_doc,

@@ -66,6 +66,16 @@ typedef struct {
     uint64_t clean_clock;      /* nns_dict_clock() at the last check that found every
                                   dict unchanged, or 0 (compat_objects.h: 3.12+ skip the
                                   per-dict checks while the clock stays there) */
+#ifdef NNS_DICT_TAGS_MONOTONIC
+    /* 3.11 (no clock): every VG_DICT is checked by one sum of version tags
+     * (compat_objects.h, NNS_DICT_TAGS_MONOTONIC): the owners' dicts after their
+     * OwnerCheck, and these, the dicts held directly (addresses; the guards own them),
+     * packed for a tight loop.  tag_sum: the sum of every VG_DICT guard's `version`
+     * (the versions its values were validated at), recomputed after a full check. */
+    Py_ssize_t n_tagged;
+    PyObject **tagged;         /* PyMem */
+    nns_tag_sum tag_sum;
+#endif
 } CacheEntry;
 
 typedef struct {
