@@ -24,8 +24,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv build demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps \
-	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14
+.PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps \
+	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
 # fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
@@ -73,9 +73,14 @@ demo: build
 # Both suites run; the target fails if either did.
 test: build
 	@status=0; \
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || status=$$?; \
+	$(MAKE) --no-print-directory suite || status=$$?; \
 	if [ -z "$(PYV)" ]; then $(MAKE) test-nnscaler || status=$$?; fi; \
 	exit $$status
+
+# The suite alone, on the build in place (.ci/run builds every version first, one at a
+# time, then runs the suites two at a time: builds write shared files, suites do not).
+suite:
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # .venv-nnscaler: torch (kept at TORCH_SPEC), nnScaler's wheel --no-deps, nnscaler-eval
 # editable; build/wheels: both wheels, for the install-order tests' throwaway venvs.
@@ -141,6 +146,12 @@ fuzz-state: build
 	done; exit $$status
 
 # The suite on CPython 3.12 / 3.13 / 3.14; a clear SKIP (success) without the interpreters.
+# build-3.X: that version's build only (.ci/run).
+build-3.12 build-3.13 build-3.14:
+	@if .ci/pyenv.sh --check $(@:build-%=%); then \
+	  $(MAKE) --no-print-directory PYV=$(@:build-%=%) build; \
+	fi
+
 test-3.12 test-3.13 test-3.14:
 	@if .ci/pyenv.sh --check $(@:test-%=%); then \
 	  $(MAKE) --no-print-directory PYV=$(@:test-%=%) test; \

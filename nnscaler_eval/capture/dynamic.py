@@ -385,10 +385,11 @@ class SymbolicInputs:
             replaced[(top, keys)] = fake
         # Arguments holding KV caches are copied (passed_objects.copy_with) whether or
         # not a field of theirs is symbolic: the forward writes into the copy.
+        memo: dict[int, Any] = {}   # one cache in two arguments: one copy
         self.values = tuple(
             replaced[(index, ())] if (index, ()) in replaced
             else passed_objects.copy_with(value, lambda keys, leaf, _i=index:
-                                          replaced.get((_i, keys), leaf))
+                                          replaced.get((_i, keys), leaf), (), memo)
             if passed_objects.holds_keyed(value) else value
             for index, value in enumerate(values))
 

@@ -80,24 +80,40 @@ def resolve(value: Any, keys: tuple) -> Any:
     return value
 
 
-def copy_with(value: Any, replace: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:
+def copy_with(value: Any, replace: Callable[[tuple, Any], Any], path: tuple = (),
+              memo: Optional[dict[int, Any]] = None) -> Any:
     """A copy of an argument in which every keyed object (and the lists, tuples and
-    dicts on the way to one) is a new object of the same class and contents, and each
-    leaf is `replace(path, leaf)`: a symbolic capture runs on such copies, so what the
-    forward writes into the cache lands in the copy."""
+    dicts on the way to one or inside one) is a new object of the same class and
+    contents, and each leaf is `replace(path, leaf)`: a symbolic capture runs on such
+    copies, so what the forward writes into the cache lands in the copy.  An object
+    met twice (one cache passed as two arguments: share `memo` across them) is copied
+    once, so the copies alias as the originals do."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
     if is_keyed(value):
-        copy = object.__new__(type(value))
-        copy.__dict__.update({name: copy_with(item, replace, path + (pytree.GetAttrKey(name),))
+        copy = memo[id(value)] = object.__new__(type(value))
+        copy.__dict__.update({name: copy_with(item, replace,
+                                              path + (pytree.GetAttrKey(name),), memo)
                               for name, item in vars(value).items()})
         return copy
-    if type(value) in (list, tuple):
-        items = [copy_with(item, replace, path + (pytree.SequenceKey(i),))
-                 for i, item in enumerate(value)]
-        return items if type(value) is list else tuple(items)
-    if type(value) is dict:
-        return {k: copy_with(item, replace, path + (pytree.MappingKey(k),))
-                for k, item in value.items()}
-    if path and isinstance(value, torch.Tensor | int | float):
+    if type(value) in (list, dict) and path:
+        copy = memo[id(value)] = [] if type(value) is list else {}
+        if type(value) is list:
+            copy.extend(copy_with(item, replace, path + (pytree.SequenceKey(i),), memo)
+                        for i, item in enumerate(value))
+        else:
+            copy.update({k: copy_with(item, replace, path + (pytree.MappingKey(k),), memo)
+                         for k, item in value.items()})
+        return copy
+    if type(value) is tuple and path:
+        return tuple(copy_with(item, replace, path + (pytree.SequenceKey(i),), memo)
+                     for i, item in enumerate(value))
+    if path and isinstance(value, torch.Tensor):
+        # one tensor at two paths (an alias in the key: only its first is a field)
+        copy = memo[id(value)] = replace(path, value)
+        return copy
+    if path and isinstance(value, int | float):
         return replace(path, value)
     if not path:
         # a top-level argument: pytree containers are looked into for keyed objects
@@ -105,7 +121,7 @@ def copy_with(value: Any, replace: Callable[[tuple, Any], Any], path: tuple = ()
         if not any(is_keyed(leaf) for _, leaf in leaves):
             return value
         return pytree.tree_unflatten(
-            [copy_with(leaf, replace, tuple(keys)) if is_keyed(leaf)
+            [copy_with(leaf, replace, tuple(keys), memo) if is_keyed(leaf)
              else replace(tuple(keys), leaf) for keys, leaf in leaves], spec)
     return value
 
