@@ -669,26 +669,16 @@ def group_generate(quick: bool) -> list[Point]:
     (the graphs of the same forwards).  Every side runs the same generate() loop; the
     figure is one generate() call's instructions over its 16 tokens (the prefill
     included, as a user pays it)."""
-    import copy as copy_module
-
     import torch
 
-    import nnscaler
-    from benchmarks.generate_cost import _model
+    from benchmarks.generate_cost import _model, _variants
 
     points = []
     for name in ("gpt2", "llama"):
         model, ids = _model(name)
         kwargs = dict(max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS,
                       do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
-        sides: dict[str, Any] = {}
-        for side in SIDES:
-            m = copy_module.deepcopy(model)
-            if side == "ours":
-                m = nnscaler.compile(m)
-            elif side == "dynamo":
-                m.forward = torch.compile(m.forward, backend="eager")
-            sides[side] = m
+        sides = _variants(model, SIDES)
         with torch.no_grad():
             want = sides["eager"].generate(ids, **kwargs)
             for side, m in sides.items():

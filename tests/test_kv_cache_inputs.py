@@ -145,6 +145,19 @@ def test_decode_steps_take_the_cache_and_equal_eager(name):
     assert info.fallbacks == 0 and info.captures <= (6 if name == "mistral" else 3), info
 
 
+def _generate_equal(compiled, reference, lengths, kwargs):
+    """generate() on prompts of these lengths: tokens equal, scores close."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for length in lengths:
+            torch.manual_seed(length)
+            ids = torch.randint(1, 64, (1, length))
+            got, want = compiled.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+            assert torch.equal(got.sequences, want.sequences), length
+            for a, b in zip(got.scores, want.scores, strict=True):
+                _close(a, b, length)
+
+
 @pytest.mark.parametrize("name,beams", [("gpt2", 1), ("llama", 1), ("llama", 3)])
 def test_generate_takes_two_captures_and_equals_eager(name, beams):
     """generate() across prompt lengths: one capture for the prefill and one for the
@@ -153,15 +166,7 @@ def test_generate_takes_two_captures_and_equals_eager(name, beams):
     compiled, reference = _pair(name)
     kwargs = dict(max_new_tokens=10, do_sample=False, num_beams=beams, pad_token_id=0,
                   output_scores=True, return_dict_in_generate=True)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        for length in ((4, 19, 2, 40) if beams == 1 else (4, 13, 2)):
-            torch.manual_seed(length)
-            ids = torch.randint(1, 64, (1, length))
-            got, want = compiled.generate(ids, **kwargs), reference.generate(ids, **kwargs)
-            assert torch.equal(got.sequences, want.sequences), length
-            for a, b in zip(got.scores, want.scores, strict=True):
-                _close(a, b, length)
+    _generate_equal(compiled, reference, (4, 19, 2, 40) if beams == 1 else (4, 13, 2), kwargs)
     info = nnscaler.cache_info(compiled)
     assert info.captures == 2 and info.fallbacks == 0, info
 
@@ -172,15 +177,7 @@ def test_generate_with_a_static_cache_equals_eager():
     compiled, reference = _pair("llama")
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True, cache_implementation="static")
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        for length in (12, 5, 9):
-            torch.manual_seed(length)
-            ids = torch.randint(1, 64, (1, length))
-            got, want = compiled.generate(ids, **kwargs), reference.generate(ids, **kwargs)
-            assert torch.equal(got.sequences, want.sequences), length
-            for a, b in zip(got.scores, want.scores, strict=True):
-                _close(a, b, length)
+    _generate_equal(compiled, reference, (12, 5, 9), kwargs)
     info = nnscaler.cache_info(compiled)
     # Prompts no longer than the first keep transformers' static cache length (it
     # grows the model's `_previous_max_cache_length` only for a longer one).
