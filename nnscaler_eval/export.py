@@ -103,7 +103,7 @@ def _symbolic_inputs(fn: Any, slots: tuple, slot_names: tuple, dynamic_dims: Opt
             raise ValueError(f"nnscaler.export: dynamic_dims: {name!r} is a "
                              f"{type(value).__name__}, not a tensor")
         fields.update((names.index(name), d) for d in dynamic._dims_of(value, dims, "export"))
-    fields |= {f for f in dynamic.marked_dims(values) if f[0] < len(values)}
+    fields |= dynamic.marked_dims(values)
     if not fields:
         return None
     if fn.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS):

@@ -643,3 +643,42 @@ def test_one_object_reached_twice_keys_unlike_two_equal_objects(holders_keyed):
     many.layers.append(many.layers[3])
     again.layers.append(_holder(k=torch.ones(1)))
     assert _C.call_key_bytes(_C.CallKey(many)) != _C.call_key_bytes(_C.CallKey(again))
+
+
+class _Releasing:
+    """Its __del__ (run when a key build drops the last reference to it) empties a
+    list another keyed object holds, which the build reaches next."""
+    def __init__(self, target):
+        self.target = target
+
+    def __del__(self):
+        self.target.clear()
+
+
+def test_a_finaliser_run_while_keying_objects_leaves_a_sound_key(holders_keyed):
+    for _ in range(3):
+        later = [torch.ones(2), _holder(k=torch.ones(3))]
+        first = _holder(first=torch.ones(2).as_subclass(Emptying), gone=_Releasing(later))
+        Emptying.victim = first    # its getter drops `gone`; the snapshot keeps it a while
+        second = _holder(layers=later)
+        key = _C.CallKey(first, second)
+        words = _C.describe_call_key(key)
+        assert words[1].startswith("#0: Holder{'first': Emptying(")
+        assert later == []          # the finaliser ran during the build
+        assert "#1: Holder{'layers': []}" == words[2]   # and the key read the list after
+        assert _C.call_key_bytes(_C.CallKey(first, second)) != _C.call_key_bytes(key)
+
+
+def test_replacing_the_keyed_classes_frees_a_class_no_one_else_holds():
+    import gc
+    from nnscaler_eval.guarding import keyed_objects
+    ephemeral = type("Ephemeral", (), {})
+    obj = ephemeral()
+    obj.k = torch.ones(1)
+    _C.set_key_struct_types(keyed_objects.registered() + (ephemeral,))
+    key = _C.CallKey(obj)
+    assert "Ephemeral{'k': Tensor" in _C.describe_call_key(key)[1]
+    del obj, ephemeral
+    _C.set_key_struct_types(keyed_objects.registered())   # drops the last strong reference
+    gc.collect()
+    assert _C.describe_call_key(key)[1].startswith("#0: ")   # the key's pin names it weakly

@@ -168,20 +168,6 @@ class ObjectSnapshot:
         known = self.objects.get(id(value)) or self.containers.get(id(value))
         return known[1] if known is not None and known[0] is value else None
 
-    def restore(self) -> None:
-        """Put every object's attributes and every container's items back as they
-        were (a symbolic capture that failed wrote into copies only; this is for a
-        capture whose writes cannot be replayed and must not leave them twice)."""
-        for value, _, contents in self.objects.values():
-            vars(value).clear()
-            vars(value).update(contents)
-        for value, _, contents in self.containers.values():
-            if type(value) is list:
-                value[:] = contents
-            else:
-                value.clear()
-                value.update(contents)
-
     def writes(self, shape_of: Callable[[Any], Optional[tuple]]
                ) -> tuple[list[tuple], Optional[str]]:
         """What the forward changed, as writes the runner performs: ("set", where,
