@@ -227,6 +227,8 @@ arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *hom
     saved->target = (now && target != NULL) ? Py_NewRef(target) : NULL;
     saved->home = (now && home != NULL) ? Py_NewRef(home) : NULL;
     saved->seq = arm_seq;
+    saved->resume_config = saved->resume_target = saved->resume_home = NULL;
+    saved->disarmed = 0;
     arm_hot_forget();
     if (now) {
         PyObject *outer_config, *outer_target;
@@ -248,6 +250,52 @@ arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *hom
 }
 
 void
+arm_push_disarmed(ArmSaved *saved)
+{
+    ThreadArm *arm = &arm_thread;
+    PyThreadState *ts = PyThreadState_Get();
+    PyObject *config = NULL, *target = NULL;
+    RegionCount *outer = NULL;
+    if (arm_resolve_region(ts, &config, &target, &outer) < 0) {
+        /* Cannot happen (see arm_push_home): nothing to take over or resume then. */
+        PyErr_Clear();
+        config = target = NULL;
+        outer = NULL;
+    }
+    int resumable = is_armed_config(config);
+    PyObject *home = resumable ? arm_current_home(ts) : NULL;
+    saved->outer = arm->calls;
+    saved->config = saved->target = saved->home = NULL;
+    saved->resume_config = resumable ? Py_NewRef(config) : NULL;
+    saved->resume_target = resumable ? Py_XNewRef(target) : NULL;
+    saved->resume_home = resumable ? Py_XNewRef(home) : NULL;
+    saved->disarmed = 1;
+    saved->seq = arm_seq;
+    arm_hot_forget();
+    /* As a disable() does: the count moves here and is dropped while we are open. */
+    count_open(&saved->count, 0, outer, NULL);
+    arm->calls = saved;
+}
+
+int
+arm_push_resumed(ArmSaved *saved)
+{
+    PyObject *config, *target;
+    RegionCount *count;
+    if (arm_resolve_region(PyThreadState_Get(), &config, &target, &count) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    ArmSaved *call = arm_thread.calls;
+    if (call == NULL || !call->disarmed || count != &call->count ||
+        call->resume_config == NULL) {
+        return 0;   /* a region opened inside the disarmed one decides, or none */
+    }
+    arm_push_home(saved, call->resume_config, call->resume_target, call->resume_home);
+    return 1;
+}
+
+void
 arm_pop(ArmSaved *saved)
 {
     ThreadArm *arm = &arm_thread;
@@ -264,13 +312,20 @@ arm_pop(ArmSaved *saved)
     if (*link == saved) {
         *link = saved->outer;
     }
+    PyObject *resume_config = saved->resume_config;
+    PyObject *resume_target = saved->resume_target;
+    PyObject *resume_home = saved->resume_home;
     saved->config = NULL;
     saved->target = NULL;
     saved->home = NULL;
+    saved->resume_config = saved->resume_target = saved->resume_home = NULL;
     count_close(&saved->count);
     Py_XDECREF(config);
     Py_XDECREF(target);
     Py_XDECREF(home);
+    Py_XDECREF(resume_config);
+    Py_XDECREF(resume_target);
+    Py_XDECREF(resume_home);
 }
 
 PyObject *

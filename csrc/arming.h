@@ -54,6 +54,12 @@ typedef struct ArmSaved {
                               * in this region (a compiled wrapper's; cache_table.h) */
     uint64_t seq;            /* context regions armed later than this have a larger seq */
     RegionCount count;
+    /* arm_push_disarmed only (NULL otherwise), all owned: the region it opened in,
+     * armed as it was, for arm_push_resumed. */
+    PyObject *resume_config;
+    PyObject *resume_target;
+    PyObject *resume_home;
+    int disarmed;
 } ArmSaved;
 
 /* Module init: create the ContextVar and ready the types; `hook` (the PEP 523
@@ -73,6 +79,19 @@ void arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject
  * if it drops the last reference to the config (a finaliser or weakref callback:
  * the compiled wrapper was deleted during its own call). */
 void arm_pop(ArmSaved *saved);
+
+/* Push a call region in which this thread's frames run with nothing armed and
+ * which, unlike arm_push(NULL), takes the count of the region it opens in: the hook
+ * is uninstalled meanwhile unless another region still needs it (another thread's),
+ * so plain Python run here pays no evaluator at all.  The region it opened in is
+ * remembered for arm_push_resumed.  Never fails, runs no Python.  Popped with
+ * arm_pop. */
+void arm_push_disarmed(ArmSaved *saved);
+/* If this thread's innermost region is one arm_push_disarmed pushed over an armed
+ * region: push a call region armed as that one was (config, target, home) and
+ * return 1 (pop it with arm_pop); else push nothing and return 0.  Never fails,
+ * runs no Python. */
+int arm_push_resumed(ArmSaved *saved);
 
 /* Arm the current context with `config` (borrowed), `target` (borrowed, a code
  * object or NULL) and `home` (borrowed list or NULL: owns the cache buckets made in

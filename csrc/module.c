@@ -52,6 +52,51 @@ py_arm(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return arm_context(args[0], target, home);
 }
 
+PyDoc_STRVAR(call_disarmed_doc,
+"call_disarmed(fn, /, *args, **kwargs)\n\n"
+"fn(*args, **kwargs) with nothing armed on this thread and the evaluator uninstalled\n"
+"meanwhile unless another thread needs it: plain Python run here (a module's hooks)\n"
+"pays nothing of ours.  call_resumed() inside it arms again as before.");
+
+static PyObject *
+py_call_disarmed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
+                 PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "call_disarmed(fn, /, *args, **kwargs): fn missing");
+        return NULL;
+    }
+    ArmSaved saved;
+    arm_push_disarmed(&saved);
+    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
+    arm_pop(&saved);
+    return result;
+}
+
+PyDoc_STRVAR(call_resumed_doc,
+"call_resumed(fn, /, *args, **kwargs)\n\n"
+"fn(*args, **kwargs) armed as this thread was before the call_disarmed() it runs\n"
+"in; a plain call anywhere else (or under a region opened inside that one).");
+
+static PyObject *
+py_call_resumed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
+                PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "call_resumed(fn, /, *args, **kwargs): fn missing");
+        return NULL;
+    }
+    ArmSaved saved;
+    int pushed = arm_push_resumed(&saved);
+    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
+    if (pushed) {
+        arm_pop(&saved);
+    }
+    return result;
+}
+
 PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nClose the region the matching arm() opened.");
 
 static PyObject *
@@ -275,6 +320,10 @@ static PyMethodDef module_methods[] = {
     {"install", (PyCFunction)(void (*)(void))py_install, METH_FASTCALL, install_doc},
     {"arm", (PyCFunction)(void (*)(void))py_arm, METH_FASTCALL, arm_doc},
     {"disarm", py_disarm, METH_O, disarm_doc},
+    {"call_disarmed", (PyCFunction)(void (*)(void))py_call_disarmed,
+     METH_FASTCALL | METH_KEYWORDS, call_disarmed_doc},
+    {"call_resumed", (PyCFunction)(void (*)(void))py_call_resumed,
+     METH_FASTCALL | METH_KEYWORDS, call_resumed_doc},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
     {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
     {"code_state", py_code_state, METH_O, code_state_doc},

@@ -321,6 +321,17 @@ def runs_opaque(module: nn.Module) -> bool:
     )
 
 
+def opaque_for_hooks_only(module: nn.Module) -> bool:
+    """Is `module` an opaque node only because it has hooks (its forward a target of
+    its own, nothing else of runs_opaque's)?"""
+    return (
+        _has_call_hooks(module)
+        and getattr(module, "_compiled_call_impl", None) is None
+        and not isinstance(module, torch.jit.ScriptModule)
+        and not (isinstance(module, _EVAL_FAST_PATHS) and not module.training)
+    )
+
+
 def tensorless_result(func: Any, kind: str, target: Any, result: Any) -> tuple[str, str]:
     """What a torch call that returned no tensor is: ("node", "") a side effect to
     record as a node; ("metadata", "") a constant (a property, a shape, a dtype) that

@@ -547,6 +547,8 @@ class Tracer(TorchFunctionMode):
             node = self.create_node("call_module", target, node_args, node_kwargs)
         except RecordingAborted:
             return result
+        # opaque for its hooks alone: a runner may run the hooks disarmed
+        node.meta["nnscaler_hooked"] = calls.opaque_for_hooks_only(module)
         self.nodes.bind_result(result, node, dynamic=False)
         return result
 

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import direct_calls
+from nnscaler_eval.runners import direct_calls, hooked_calls
 from nnscaler_eval.runners.backends import PerSizeCompiled
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing.trace_patches import REAL_SET_GRAD_ENABLED
@@ -632,7 +632,22 @@ class _RunnerWriter:
             receiver = self.render_operand(args[0])
             return f"{receiver}.{node.target}({self.call_args(args[1:], kwargs)})"
         if node.op == "call_module":
-            return f"{self.module_expr(str(node.target))}({self.call_args(args, kwargs)})"
+            module = self.module_expr(str(node.target))
+            if node.meta.get("nnscaler_hooked") and hooked_calls.splits(
+                self.spec.attr_values[str(node.target)]
+            ):
+                # its hooks run with the evaluator out of the way (hooked_calls.py)
+                disarmed = self.bind(_C.call_disarmed, "C_call_disarmed")
+                call = self.bind(hooked_calls.call_hooked, "call_hooked")
+                items = "".join(f"{self.render(a)}, " for a in args)
+                pairs = ", ".join(f"{k!r}: {self.render(v)}" for k, v in kwargs.items())
+                return f"{disarmed}({call}, {module}, ({items}), {{{pairs}}})"
+            if type(self.spec.attr_values[str(node.target)]).__call__ is not nn.Module.__call__:
+                # The node is nn.Module.__call__ (what the trace intercepted): a class's
+                # own __call__ around super().__call__() was traced into the graph.
+                base = self.bind(nn.Module, "Module")
+                return f"{base}.__call__({module}, {self.call_args(args, kwargs)})"
+            return f"{module}({self.call_args(args, kwargs)})"
         target = node.target
         if not kwargs:
             if target in _BINARY_OPERATORS and len(args) == 2:
