@@ -133,3 +133,11 @@ def _warn_silenced(what: str, error: Exception) -> None:
 
     warnings.warn(f"{what} with ``always_call=True`` raised an exception that was "
                   f"silenced as another error was raised in forward: {error}", stacklevel=3)
+
+
+def module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What an opaque `call_module` node stands for: `nn.Module.__call__`, not the
+    class's own `__call__` (whose code around `super().__call__()` the trace recorded
+    around the node).  The graphs handed to backends call this in place of such a
+    node (capture/results.py); generated runners inline it."""
+    return _Module.__call__(module, *args, **kwargs)
