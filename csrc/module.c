@@ -58,20 +58,36 @@ PyDoc_STRVAR(call_disarmed_doc,
 "meanwhile unless another thread needs it: plain Python run here (a module's hooks)\n"
 "pays nothing of ours.  call_resumed() inside it arms again as before.");
 
+/* fn(*args, **kwargs) (args[0] is fn) in a call region: disarmed, or resumed. */
+static PyObject *
+call_in_region(const char *name, int disarm, PyObject *const *args, Py_ssize_t nargsf,
+               PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_Format(PyExc_TypeError, "%s(fn, /, *args, **kwargs): fn missing", name);
+        return NULL;
+    }
+    ArmSaved saved;
+    int pushed = 1;
+    if (disarm) {
+        arm_push_disarmed(&saved);
+    }
+    else {
+        pushed = arm_push_resumed(&saved);
+    }
+    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
+    if (pushed) {
+        arm_pop(&saved);
+    }
+    return result;
+}
+
 static PyObject *
 py_call_disarmed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
                  PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "call_disarmed(fn, /, *args, **kwargs): fn missing");
-        return NULL;
-    }
-    ArmSaved saved;
-    arm_push_disarmed(&saved);
-    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
-    arm_pop(&saved);
-    return result;
+    return call_in_region("call_disarmed", 1, args, nargsf, kwnames);
 }
 
 PyDoc_STRVAR(call_resumed_doc,
@@ -83,18 +99,7 @@ static PyObject *
 py_call_resumed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
                 PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        PyErr_SetString(PyExc_TypeError, "call_resumed(fn, /, *args, **kwargs): fn missing");
-        return NULL;
-    }
-    ArmSaved saved;
-    int pushed = arm_push_resumed(&saved);
-    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
-    if (pushed) {
-        arm_pop(&saved);
-    }
-    return result;
+    return call_in_region("call_resumed", 0, args, nargsf, kwnames);
 }
 
 PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nClose the region the matching arm() opened.");

@@ -104,27 +104,24 @@ def call_hooked(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     except Exception:
         # the hooks registered with always_call=True that have not run yet run now,
         # each one's own exception silenced with a warning, as nn.Module does
-        for hook_id, hook in G._global_forward_hooks.items():
-            if (hook_id in G._global_forward_hooks_always_called
-                    and hook_id not in called_always):
+        for hooks, always, with_kwargs, what in (
+            (G._global_forward_hooks, G._global_forward_hooks_always_called, (),
+             "global module forward hook"),
+            (module._forward_hooks, module._forward_hooks_always_called,
+             module._forward_hooks_with_kwargs, "module forward hook"),
+        ):
+            for hook_id, hook in hooks.items():
+                if hook_id not in always or hook_id in called_always:
+                    continue
                 try:
-                    hook_result = hook(module, args, result)
-                    if hook_result is not None:
-                        result = hook_result
-                except Exception as e:
-                    _warn_silenced("global module forward hook", e)
-        for hook_id, hook in module._forward_hooks.items():
-            if (hook_id in module._forward_hooks_always_called
-                    and hook_id not in called_always):
-                try:
-                    if hook_id in module._forward_hooks_with_kwargs:
+                    if hook_id in with_kwargs:
                         hook_result = hook(module, args, kwargs, result)
                     else:
                         hook_result = hook(module, args, result)
                     if hook_result is not None:
                         result = hook_result
                 except Exception as e:
-                    _warn_silenced("module forward hook", e)
+                    _warn_silenced(what, e)
         raise
 
 
