@@ -125,3 +125,34 @@ def test_dynamic_hits_and_shape_guards_do_not_leak():
 
     assert_flat(workload)
     assert nnscaler.cache_info(m).captures == 1
+
+
+def test_hooked_submodule_hits_and_disarmed_calls_do_not_leak():
+    """The hooks of a hooked submodule run through _C.call_disarmed, its forward
+    through _C.call_resumed (runners/hooked_calls.py); both regions hold references
+    (the resumed config, target and home) that every exit must drop."""
+    from nnscaler_eval import _C
+
+    inner = torch.nn.Linear(4, 4)
+    inner.register_forward_hook(lambda module, args, out: out + 1)
+    inner.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs),
+                                    with_kwargs=True)
+    m = nnscaler.compile(torch.nn.Sequential(inner, torch.nn.ReLU()))
+    x = torch.randn(2, 4)
+
+    def fails(**kwargs):
+        raise KeyError(kwargs)
+
+    def workload():
+        with torch.no_grad():
+            for _ in range(10_000):
+                m(x)
+        for _ in range(10_000):
+            _C.call_disarmed(_C.call_resumed, max, 1, 2, key=None)
+            try:
+                _C.call_disarmed(fails, a=1)
+            except KeyError:
+                pass
+
+    assert_flat(workload)
+    assert nnscaler.cache_info(m).hits >= 40_000
