@@ -425,3 +425,28 @@ def test_a_class_wrapping_super_call_is_applied_once(opaque_by, backend):
         for _ in range(3):
             assert torch.equal(compiled(x), want)
     assert nnscaler.cache_info(host).hits >= 2
+
+
+def test_under_enable_the_split_call_equals_eager():
+    """Under enable("eager") (a context region, not a compiled call) the disarmed region
+    cannot take the context's count: the evaluator stays installed, frames in hooks
+    run with nothing armed, and the forward is armed again for its own cache."""
+    eager, model = twins()
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(_C.current_config() is None)
+        return out - 2
+
+    eager.inner.register_forward_hook(hook)
+    model.inner.register_forward_hook(hook)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+            want = eager(x)
+            with nnscaler.eval_frame.enable("eager"):
+                got = model(x)
+            assert torch.equal(want, got)
+    assert nnscaler.cache_info(model).hits >= 2
+    assert seen[-1] is True
+    assert not _C.eval_frame_installed()
