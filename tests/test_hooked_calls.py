@@ -450,3 +450,35 @@ def test_under_enable_the_split_call_equals_eager():
     assert nnscaler.cache_info(model).hits >= 2
     assert seen[-1] is True
     assert not _C.eval_frame_installed()
+
+
+def test_a_compiled_module_inside_another_splits_its_hooked_submodule():
+    """A module compiled on its own, first called inside another module's capture
+    (an opaque node there): its own hits run its hooked submodule's hooks disarmed,
+    and both graphs equal eager."""
+    eager, model = twins()
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(_C.current_config() is None)
+        return out + 3
+
+    eager.inner.register_forward_hook(hook)
+    model.inner.register_forward_hook(hook)
+    nnscaler.compile(model)
+
+    class Host(nn.Module):
+        def __init__(self, child):
+            super().__init__()
+            self.child = child
+
+        def forward(self, x):
+            return self.child(x) * 2
+
+    host = nnscaler.compile(Host(model))
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(host(x), eager(x) * 2)
+    assert seen[-1] is True
+    assert nnscaler.cache_info(model).hits >= 2

@@ -46,10 +46,10 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def splits(module: nn.Module) -> bool:
-    """Can the runner call `module` through call_hooked (checked again per call)?"""
+    """Can the runner call `module` through call_hooked (checked again per call, with
+    `nn.Module.__call__` itself, which a capture in progress patches)?"""
     cls = type(module)
-    return (_Module.__call__ is _WRAPPED and cls._wrapped_call_impl is _WRAPPED
-            and cls._call_impl is _CALL_IMPL)
+    return cls._wrapped_call_impl is _WRAPPED and cls._call_impl is _CALL_IMPL
 
 
 def call_hooked(module: nn.Module, args: tuple, kwargs: dict) -> Any:
