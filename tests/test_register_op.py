@@ -650,3 +650,45 @@ def test_get_dropout_train_really_drops():
     train_out = run_seeded(model.train(), q, k, v)
     eval_out = run_seeded(model.eval(), q, k, v)
     assert not torch.allclose(train_out, eval_out)
+
+
+def test_an_op_written_in_python_runs_disarmed_at_hits():
+    """At a hit the runner calls a register_op op through _C.call_disarmed: its
+    frames run with nothing armed (and the evaluator uninstalled), as eager's do;
+    modules it calls run eagerly, compiled ones through their own caches."""
+    import inspect
+
+    import nnscaler
+    from nnscaler_eval import _C
+    from nnscaler_eval.tools import explain
+
+    seen = []
+    side = torch.nn.Linear(4, 4)
+    compiled_side = nnscaler.compile(torch.nn.Linear(4, 4))
+
+    @nnscaler.register_op("a^ b -> a^ b", name="disarmed_op_test")
+    def op(x):
+        seen.append((_C.current_config() is None, _C.eval_frame_installed()))
+        return side(x) + compiled_side(x)
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return op(self.lin(x)) * 2
+
+    m = M()
+    c = nnscaler.compile(m)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want = op(m.lin(x)) * 2
+        for _ in range(3):
+            assert torch.equal(c(x), want)
+    assert seen[-1] == (True, False)
+    assert nnscaler.cache_info(m).hits == 2
+    assert nnscaler.cache_info(compiled_side).hits >= 2
+    (bucket,) = explain._buckets(m)
+    (entry,) = bucket.entries
+    assert "= C_call_disarmed(fn_" in inspect.getsource(entry.runner)

@@ -31,6 +31,7 @@ import operator
 import os
 import re
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union, cast
@@ -675,6 +676,12 @@ class _RunnerWriter:
                 operands = ", ".join(self.render(a) for a in args[3])
                 return f"{true_fn}({operands}) if {pred} else {false_fn}({operands})"
         function = self.bind(target, _target_hint(target))
+        if node.meta.get("nnscaler_opaque") and isinstance(target, types.FunctionType):
+            # a register_op op written in Python: its frames run with the evaluator
+            # out of the way, as a hooked submodule's hooks do (hooked_calls.py)
+            disarmed = self.bind(_C.call_disarmed, "C_call_disarmed")
+            rest = self.call_args(args, kwargs)
+            return f"{disarmed}({function}{', ' + rest if rest else ''})"
         return f"{function}({self.call_args(args, kwargs)})"
 
     # -- global state ------------------------------------------------------------
