@@ -1,4 +1,5 @@
-"""A hooked submodule at hit time (runners/hooked_calls.py): its hooks run with the
+"""A hooked submodule at hit time (runners/hooked_calls.py; autograd Functions and
+register_op ops are called disarmed the same way): its hooks run with the
 evaluator out of the way, its forward armed and served from its own cache, and
 everything nn.Module.__call__ does with hooks is what eager does: eager is the oracle
 for every kind of hook, their results, their order, always_call on errors."""
@@ -482,3 +483,38 @@ def test_a_compiled_module_inside_another_splits_its_hooked_submodule():
             assert torch.equal(host(x), eager(x) * 2)
     assert seen[-1] is True
     assert nnscaler.cache_info(model).hits >= 2
+
+
+def test_an_autograd_function_runs_disarmed_and_keeps_its_backward():
+    seen = []
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            seen.append(_C.current_config() is None)
+            return a * 4
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 3
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Scaled.apply(self.fc(x)) + 1
+
+    eager, model = twins(Net)
+    compiled = nnscaler.compile(model)
+    for i in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+        want, got = eager(x), compiled(x)
+        assert torch.equal(want, got)
+        want.sum().backward()
+        got.sum().backward()
+    assert seen[-1] is True
+    assert nnscaler.cache_info(model).hits == 2
+    for a, b in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -193,6 +193,14 @@ class _Namespace:
         return name
 
 
+def _autograd_apply(target: Any) -> bool:
+    """Is `target` `SomeFunction.apply` of a torch.autograd.Function subclass?"""
+    owner = getattr(target, "__self__", None)
+    return (isinstance(target, types.MethodType) and isinstance(owner, type)
+            and issubclass(owner, torch.autograd.Function)
+            and getattr(target, "__name__", None) == "apply")
+
+
 def _target_hint(target: Any) -> str:
     """`F_linear`, `torch_relu`, `STE_apply`: short, and never a local's name."""
     name = getattr(target, "__name__", None) or type(target).__name__
@@ -676,9 +684,11 @@ class _RunnerWriter:
                 operands = ", ".join(self.render(a) for a in args[3])
                 return f"{true_fn}({operands}) if {pred} else {false_fn}({operands})"
         function = self.bind(target, _target_hint(target))
-        if node.meta.get("nnscaler_opaque") and isinstance(target, types.FunctionType):
-            # a register_op op written in Python: its frames run with the evaluator
-            # out of the way, as a hooked submodule's hooks do (hooked_calls.py)
+        if ((node.meta.get("nnscaler_opaque") and isinstance(target, types.FunctionType))
+                or _autograd_apply(target)):
+            # a register_op op written in Python, or an autograd Function's apply (its
+            # forward in Python): their frames run with the evaluator out of the way,
+            # as a hooked submodule's hooks do (hooked_calls.py)
             disarmed = self.bind(_C.call_disarmed, "C_call_disarmed")
             rest = self.call_args(args, kwargs)
             return f"{disarmed}({function}{', ' + rest if rest else ''})"
