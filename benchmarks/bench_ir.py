@@ -655,6 +655,34 @@ def group_frame_tax(quick: bool) -> list[Point]:
                             (5, 20) if quick else (10, 50), context=torch.no_grad,
                             ours=ours, params={"frames": k},
                             captures=2))   # the root, and the hooked submodule on its own
+    # The other Python an opaque node runs at a hit: a register_op op (ours calls it
+    # disarmed too; Dynamo traces into it).
+    import nnscaler
+
+    for k in (0, FRAME_TAX_CALLS):
+        namespace = {"plain": plain}
+        exec(compile("def op(x):\n"
+                     f"    for _ in range({k}):\n"
+                     "        plain(x)\n"
+                     "    return x * 2\n", f"<frame_tax op k{k}>", "exec"), namespace)
+        op = nnscaler.register_op("a^ b -> a^ b", name=f"bench_ir_frame_tax_op_{k}")(
+            namespace["op"])
+
+        class WithOp(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x: Any, op: Any = op) -> Any:
+                return op(self.lin(x)) + 1
+
+        torch.manual_seed(0)
+        base = _fresh(WithOp, f"fto{k}")()
+        built, ours = _sides(base, lambda c: c(x), context=torch.no_grad)
+        loops = {s: _loop(c, x) for s, c in built.items()}
+        points.append(Point(f"register_op op calling a Python function {k} times", loops,
+                            (5, 20) if quick else (10, 50), context=torch.no_grad,
+                            ours=ours, params={"frames": k}))
     return points
 
 
@@ -987,8 +1015,18 @@ def derive(groups: dict) -> list[dict]:
         {"eager": _sub(bare, slopes["eager"])})
     add("our own shim per non-target frame",
         "ours per frame minus the bare evaluator's per frame: what our evaluator adds "
-        "to a frame it passes on (the region lookup, the code's state, the decision)",
+        "to a frame it passes on (the region lookup, the code's state, the decision); "
+        "negative since hooks run with the evaluator uninstalled (runners/hooked_calls.py)",
         {"ours": _sub(slopes["ours"], bare)})
+    o0 = "register_op op calling a Python function 0 times"
+    o256 = f"register_op op calling a Python function {FRAME_TAX_CALLS} times"
+    add("one plain Python frame run inside a register_op op",
+        f"(Ir with the op calling plain() {FRAME_TAX_CALLS} times - with 0 times) / "
+        f"{FRAME_TAX_CALLS}; Dynamo traces the op into its graph",
+        {s: (None if _sub(_ir(groups, "frame_tax", o256, s), _ir(groups, "frame_tax", o0, s))
+             is None else _sub(_ir(groups, "frame_tax", o256, s),
+                               _ir(groups, "frame_tax", o0, s)) / FRAME_TAX_CALLS)
+         for s in SIDES})
     first = "1st of 512 instances"
     last = "512th of 512 instances"
     add("512th instance minus 1st (per call)",
