@@ -1016,7 +1016,7 @@ def derive(groups: dict) -> list[dict]:
     add("our own shim per non-target frame",
         "ours per frame minus the bare evaluator's per frame: what our evaluator adds "
         "to a frame it passes on (the region lookup, the code's state, the decision); "
-        "negative since hooks run with the evaluator uninstalled (runners/hooked_calls.py)",
+        "negative since hooks run with the evaluator uninstalled (csrc/hooked_call.c)",
         {"ours": _sub(slopes["ours"], bare)})
     o0 = "register_op op calling a Python function 0 times"
     o256 = f"register_op op calling a Python function {FRAME_TAX_CALLS} times"

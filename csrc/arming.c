@@ -228,7 +228,6 @@ arm_push_home(ArmSaved *saved, PyObject *config, PyObject *target, PyObject *hom
     saved->home = (now && home != NULL) ? Py_NewRef(home) : NULL;
     saved->seq = arm_seq;
     saved->resume_config = saved->resume_target = saved->resume_home = NULL;
-    saved->disarmed = 0;
     arm_hot_forget();
     if (now) {
         PyObject *outer_config, *outer_target;
@@ -269,7 +268,6 @@ arm_push_disarmed(ArmSaved *saved)
     saved->resume_config = resumable ? Py_NewRef(config) : NULL;
     saved->resume_target = resumable ? Py_XNewRef(target) : NULL;
     saved->resume_home = resumable ? Py_XNewRef(home) : NULL;
-    saved->disarmed = 1;
     saved->seq = arm_seq;
     arm_hot_forget();
     /* As a disable() does: the count moves here and is dropped while we are open. */
@@ -287,8 +285,7 @@ arm_push_resumed(ArmSaved *saved)
         return 0;
     }
     ArmSaved *call = arm_thread.calls;
-    if (call == NULL || !call->disarmed || count != &call->count ||
-        call->resume_config == NULL) {
+    if (call == NULL || count != &call->count || call->resume_config == NULL) {
         return 0;   /* a region opened inside the disarmed one decides, or none */
     }
     arm_push_home(saved, call->resume_config, call->resume_target, call->resume_home);

@@ -54,12 +54,11 @@ typedef struct ArmSaved {
                               * in this region (a compiled wrapper's; cache_table.h) */
     uint64_t seq;            /* context regions armed later than this have a larger seq */
     RegionCount count;
-    /* arm_push_disarmed only (NULL otherwise), all owned: the region it opened in,
-     * armed as it was, for arm_push_resumed. */
+    /* arm_push_disarmed over an armed region only (NULL otherwise), all owned: that
+     * region, armed as it was, for arm_push_resumed. */
     PyObject *resume_config;
     PyObject *resume_target;
     PyObject *resume_home;
-    int disarmed;
 } ArmSaved;
 
 /* Module init: create the ContextVar and ready the types; `hook` (the PEP 523

@@ -8,6 +8,7 @@
 #include "code_state.h"
 #include "frame_record.h"
 #include "held_lock.h"
+#include "hooked_call.h"
 #include "compat.h"
 #include "arming.h"
 #include "compiled_call.h"
@@ -56,50 +57,22 @@ PyDoc_STRVAR(call_disarmed_doc,
 "call_disarmed(fn, /, *args, **kwargs)\n\n"
 "fn(*args, **kwargs) with nothing armed on this thread and the evaluator uninstalled\n"
 "meanwhile unless another thread needs it: plain Python run here (a module's hooks)\n"
-"pays nothing of ours.  call_resumed() inside it arms again as before.");
-
-/* fn(*args, **kwargs) (args[0] is fn) in a call region: disarmed, or resumed. */
-static PyObject *
-call_in_region(const char *name, int disarm, PyObject *const *args, Py_ssize_t nargsf,
-               PyObject *kwnames)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        PyErr_Format(PyExc_TypeError, "%s(fn, /, *args, **kwargs): fn missing", name);
-        return NULL;
-    }
-    ArmSaved saved;
-    int pushed = 1;
-    if (disarm) {
-        arm_push_disarmed(&saved);
-    }
-    else {
-        pushed = arm_push_resumed(&saved);
-    }
-    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
-    if (pushed) {
-        arm_pop(&saved);
-    }
-    return result;
-}
+"pays nothing of ours.");
 
 static PyObject *
 py_call_disarmed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
                  PyObject *kwnames)
 {
-    return call_in_region("call_disarmed", 1, args, nargsf, kwnames);
-}
-
-PyDoc_STRVAR(call_resumed_doc,
-"call_resumed(fn, /, *args, **kwargs)\n\n"
-"fn(*args, **kwargs) armed as this thread was before the call_disarmed() it runs\n"
-"in; a plain call anywhere else (or under a region opened inside that one).");
-
-static PyObject *
-py_call_resumed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargsf,
-                PyObject *kwnames)
-{
-    return call_in_region("call_resumed", 0, args, nargsf, kwnames);
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "call_disarmed(fn, /, *args, **kwargs): fn missing");
+        return NULL;
+    }
+    ArmSaved saved;
+    arm_push_disarmed(&saved);
+    PyObject *result = PyObject_Vectorcall(args[0], args + 1, (size_t)(nargs - 1), kwnames);
+    arm_pop(&saved);
+    return result;
 }
 
 PyDoc_STRVAR(disarm_doc, "disarm(token)\n\nClose the region the matching arm() opened.");
@@ -327,8 +300,11 @@ static PyMethodDef module_methods[] = {
     {"disarm", py_disarm, METH_O, disarm_doc},
     {"call_disarmed", (PyCFunction)(void (*)(void))py_call_disarmed,
      METH_FASTCALL | METH_KEYWORDS, call_disarmed_doc},
-    {"call_resumed", (PyCFunction)(void (*)(void))py_call_resumed,
-     METH_FASTCALL | METH_KEYWORDS, call_resumed_doc},
+    {"call_hooked", (PyCFunction)(void (*)(void))hooked_call, METH_FASTCALL,
+     "call_hooked(module, args, kwargs): nn.Module.__call__ with the hooks run disarmed "
+     "and the forward armed (csrc/hooked_call.h)."},
+    {"set_hooked_call", (PyCFunction)(void (*)(void))hooked_call_setup, METH_FASTCALL,
+     "set_hooked_call(registries, _wrapped_call_impl, _call_impl, get_tracing_state)."},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
     {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
     {"code_state", py_code_state, METH_O, code_state_doc},

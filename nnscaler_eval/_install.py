@@ -31,3 +31,9 @@ def install() -> None:
         torch._C._len_torch_function_stack,
         torch._C._pop_torch_function_stack,
     )
+    _C.set_hooked_call(
+        torch.nn.modules.module,
+        torch.nn.Module.__dict__["_wrapped_call_impl"],
+        torch.nn.Module.__dict__["_call_impl"],
+        torch._C._get_tracing_state,
+    )

@@ -1,5 +1,5 @@
-"""A hooked submodule at hit time (runners/hooked_calls.py; autograd Functions and
-register_op ops are called disarmed the same way): its hooks run with the
+"""A hooked submodule at hit time (csrc/hooked_call.c, `_C.call_hooked`; autograd
+Functions and register_op ops are called disarmed through `_C.call_disarmed`): its hooks run with the
 evaluator out of the way, its forward armed and served from its own cache, and
 everything nn.Module.__call__ does with hooks is what eager does: eager is the oracle
 for every kind of hook, their results, their order, always_call on errors."""
@@ -293,8 +293,6 @@ def test_nested_hooked_modules_and_enable_inside_a_hook():
         seen.append(("mid", _C.current_config() is not None))
         with nnscaler.eval_frame.enable():
             seen.append(("enabled", _C.current_config() is not None))
-            y = _C.call_resumed(lambda: _C.current_config() is not None)
-            seen.append(("resumed under enable", y))
         return out
 
     eager, model = twins(Top)
@@ -306,19 +304,24 @@ def test_nested_hooked_modules_and_enable_inside_a_hook():
     seen.clear()
     with torch.no_grad():
         compiled(torch.ones(2, 8))  # a hit of every graph
-    assert seen == [("inner", False), ("mid", False), ("enabled", True),
-                    ("resumed under enable", True)]
+    assert seen == [("inner", False), ("mid", False), ("enabled", True)]
     assert not _C.eval_frame_installed() and _C.current_config() is None
 
 
-def test_call_disarmed_and_call_resumed_outside_regions_are_plain_calls():
-    assert _C.call_resumed(lambda a, b=0: a + b, 1, b=2) == 3
+def test_call_disarmed_and_call_hooked_outside_regions_are_plain_calls():
+    assert _C.call_disarmed(lambda a, b=0: a + b, 1, b=2) == 3
     assert _C.call_disarmed(lambda: _C.current_config()) is None
-    assert _C.call_disarmed(_C.call_resumed, lambda: _C.current_config()) is None
+    eager, model = twins()
+    for m in (eager, model):
+        m.inner.register_forward_hook(lambda module, args, out: out * 5)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(_C.call_hooked(model.inner, (x,), {"scale": 3.0}),
+                           eager.inner(x, scale=3.0))
     with pytest.raises(TypeError, match="fn missing"):
         _C.call_disarmed()
-    with pytest.raises(TypeError, match="fn missing"):
-        _C.call_resumed()
+    with pytest.raises(TypeError, match=r"call_hooked\(module, args tuple, kwargs dict\)"):
+        _C.call_hooked(model.inner, [x], {})
     with pytest.raises(ZeroDivisionError):
         _C.call_disarmed(lambda: 1 / 0)
     assert not _C.eval_frame_installed()
@@ -518,3 +521,85 @@ def test_an_autograd_function_runs_disarmed_and_keeps_its_backward():
     assert nnscaler.cache_info(model).hits == 2
     for a, b in zip(eager.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_python_in_the_middle_of_call_hooked_frees_and_mutates_what_it_holds():
+    """Python run inside each step of _C.call_hooked (csrc/hooked_call.c) drops what
+    the call and its regions hold: a __del__ run when a pre-hook's new args replace
+    the old ones resets every cache and removes the hooks being iterated; a
+    __getattribute__ on the hooked module deletes the root's compiled wrapper when the
+    forward hooks are read; a tensor subclass's __torch_function__ inside the resumed
+    forward collects garbage.  Every call equals eager's, and nothing is left armed."""
+    import gc
+
+    state = {"on": False, "wrapper_dropped": 0}
+    roots: list = []
+
+    class Dropper:
+        def __del__(self):
+            if state["on"]:
+                nnscaler.reset()
+                for root in roots:
+                    root.inner._forward_pre_hooks.clear()
+                gc.collect()
+
+    class Meddling(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if state["on"]:
+                gc.collect()
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class Watched(Inner):
+        def __getattribute__(self, name):
+            if name == "_forward_hooks" and state["on"] and roots and \
+                    roots[-1].__dict__.get("_compiled_call_impl") is not None:
+                roots[-1]._compiled_call_impl = None
+                state["wrapper_dropped"] += 1
+                gc.collect()
+            return super().__getattribute__(name)
+
+        def forward(self, x, scale=1.0):
+            return super().forward(x.as_subclass(Meddling), scale).as_subclass(torch.Tensor)
+
+    class Host(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Watched()
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    def add_dropper(module, args):
+        return (args[0], Dropper())
+
+    def drop_it(module, args):
+        return (args[0],)
+
+    def post(module, args, out):
+        return out + 1
+
+    eager, model = twins(Host)
+    roots.append(model)
+    for m in (eager, model):
+        m.inner.register_forward_pre_hook(add_dropper)
+        m.inner.register_forward_pre_hook(drop_it)
+        m.inner.register_forward_hook(post)
+    nnscaler.compile(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), eager(x))  # a capture, then hits
+        state["on"] = True
+        got = model(x)          # a hit whose Python meddles at each step
+        state["on"] = False
+        for m in (eager,):      # the same pre-hooks, cleared on the eager side too
+            m.inner._forward_pre_hooks.clear()
+        want = eager(x)
+        # the first pre-hook's Dropper died in the second: eager's result then
+        assert torch.equal(got, want)
+        assert state["wrapper_dropped"] == 1
+        for _ in range(2):     # the model, recompiled, captures again and hits
+            nnscaler.compile(model)
+            assert torch.equal(model(x), eager(x))
+    assert not _C.eval_frame_installed() and _C.current_config() is None

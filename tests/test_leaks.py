@@ -128,17 +128,30 @@ def test_dynamic_hits_and_shape_guards_do_not_leak():
 
 
 def test_hooked_submodule_hits_and_disarmed_calls_do_not_leak():
-    """The hooks of a hooked submodule run through _C.call_disarmed, its forward
-    through _C.call_resumed (runners/hooked_calls.py); both regions hold references
-    (the resumed config, target and home) that every exit must drop."""
+    """A hooked submodule's hits go through _C.call_hooked (csrc/hooked_call.c): a
+    disarmed region and an armed one inside it, each holding references (the resumed
+    config, target and home), args and kwargs replaced by hooks, and the error path
+    with always_call hooks; register_op ops go through _C.call_disarmed."""
+    import warnings
+
     from nnscaler_eval import _C
 
     inner = torch.nn.Linear(4, 4)
     inner.register_forward_hook(lambda module, args, out: out + 1)
     inner.register_forward_pre_hook(lambda module, args, kwargs: (args, kwargs),
                                     with_kwargs=True)
+    inner.register_forward_pre_hook(lambda module, args: args[0] * 1)
     m = nnscaler.compile(torch.nn.Sequential(inner, torch.nn.ReLU()))
     x = torch.randn(2, 4)
+
+    failing = torch.nn.Linear(4, 4)
+    failing.register_forward_pre_hook(lambda module, args: 1 / 0)
+    failing.register_forward_hook(lambda module, args, out: None, always_call=True)
+
+    def always_raises(module, args, out):
+        raise KeyError("silenced")
+
+    failing.register_forward_hook(always_raises, always_call=True)
 
     def fails(**kwargs):
         raise KeyError(kwargs)
@@ -147,8 +160,14 @@ def test_hooked_submodule_hits_and_disarmed_calls_do_not_leak():
         with torch.no_grad():
             for _ in range(10_000):
                 m(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(5_000):
+                try:
+                    _C.call_hooked(failing, (x,), {})
+                except ZeroDivisionError:
+                    pass
         for _ in range(10_000):
-            _C.call_disarmed(_C.call_resumed, max, 1, 2, key=None)
             try:
                 _C.call_disarmed(fails, a=1)
             except KeyError:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch.fx as fx
 import torch.nn as nn
 
-from nnscaler_eval.runners import codegen, hooked_calls
+from nnscaler_eval.runners import codegen, module_calls
 from nnscaler_eval.runners.codegen import RunnerSpec
 from nnscaler_eval.runtime import ifexpr
 
@@ -179,7 +179,7 @@ class Capture:
                 # the node is nn.Module.__call__; fx would call the class's own
                 module = graph.get_attr(str(node.target))
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                env[node] = graph.call_function(hooked_calls.module_call, (module, *args), kwargs)
+                env[node] = graph.call_function(module_calls.module_call, (module, *args), kwargs)
                 env[node].meta = dict(node.meta)
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)

@@ -1,6 +1,6 @@
 """What runs on a cache hit: the straight-line Python a captured graph becomes
-(`codegen`), the torch entry points it calls directly (`direct_calls`), a hooked
-submodule's call with its hooks run disarmed (`hooked_calls`), the `backend=` argument
+(`codegen`), the torch entry points it calls directly (`direct_calls`), how an opaque
+submodule node is called (`module_calls`), the `backend=` argument
 resolved to a callable (`backends`), and the release of what torch.fx keeps for every
 GraphModule (`fx_source`).
 """

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import direct_calls, hooked_calls
+from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.runners.backends import PerSizeCompiled
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing.trace_patches import REAL_SET_GRAD_ENABLED
@@ -642,15 +642,12 @@ class _RunnerWriter:
             return f"{receiver}.{node.target}({self.call_args(args[1:], kwargs)})"
         if node.op == "call_module":
             module = self.module_expr(str(node.target))
-            if node.meta.get("nnscaler_hooked") and hooked_calls.splits(
-                self.spec.attr_values[str(node.target)]
-            ):
-                # its hooks run with the evaluator out of the way (hooked_calls.py)
-                disarmed = self.bind(_C.call_disarmed, "C_call_disarmed")
-                call = self.bind(hooked_calls.call_hooked, "call_hooked")
+            if node.meta.get("nnscaler_hooked"):
+                # its hooks run with the evaluator out of the way (csrc/hooked_call.c)
+                call = self.bind(_C.call_hooked, "C_call_hooked")
                 items = "".join(f"{self.render(a)}, " for a in args)
                 pairs = ", ".join(f"{k!r}: {self.render(v)}" for k, v in kwargs.items())
-                return f"{disarmed}({call}, {module}, ({items}), {{{pairs}}})"
+                return f"{call}({module}, ({items}), {{{pairs}}})"
             if type(self.spec.attr_values[str(node.target)]).__call__ is not nn.Module.__call__:
                 # The node is nn.Module.__call__ (what the trace intercepted): a class's
                 # own __call__ around super().__call__() was traced into the graph.
@@ -688,7 +685,7 @@ class _RunnerWriter:
                 or _autograd_apply(target)):
             # a register_op op written in Python, or an autograd Function's apply (its
             # forward in Python): their frames run with the evaluator out of the way,
-            # as a hooked submodule's hooks do (hooked_calls.py)
+            # as a hooked submodule's hooks do (csrc/hooked_call.c)
             disarmed = self.bind(_C.call_disarmed, "C_call_disarmed")
             rest = self.call_args(args, kwargs)
             return f"{disarmed}({function}{', ' + rest if rest else ''})"
