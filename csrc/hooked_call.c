@@ -163,6 +163,13 @@ typedef struct {
     PyObject *called;   /* set, made on first use, or NULL */
 } HookCall;
 
+/* 1 when `registry` is None or an empty dict (most calls: nothing to read). */
+static int
+empty(PyObject *registry)
+{
+    return registry == Py_None || (PyDict_Check(registry) && PyDict_GET_SIZE(registry) == 0);
+}
+
 /* New list of the (key, hook) pairs of `first` then `second` (None: empty). */
 static PyObject *
 items_of(PyObject *first, PyObject *second)
@@ -170,7 +177,7 @@ items_of(PyObject *first, PyObject *second)
     PyObject *all = PyList_New(0);
     PyObject *parts[] = {first, second};
     for (int i = 0; all != NULL && i < 2; i++) {
-        if (parts[i] == Py_None) {
+        if (empty(parts[i])) {
             continue;
         }
         PyObject *items = PyMapping_Items(parts[i]);
@@ -205,8 +212,14 @@ run_pre_hooks(HookCall *c)
     int rc = -1;
     PyObject *global = NULL, *own = NULL, *with_kwargs = NULL, *items = NULL;
     if ((global = attr_or_none(hc_objects.registries, s_g_fw_pre)) == NULL ||
-        (own = attr_or_none(c->module, s_fw_pre)) == NULL ||
-        (with_kwargs = attr_or_none(c->module, s_fw_pre_kw)) == NULL ||
+        (own = attr_or_none(c->module, s_fw_pre)) == NULL) {
+        goto done;
+    }
+    if (empty(global) && empty(own)) {
+        rc = 0;
+        goto done;
+    }
+    if ((with_kwargs = attr_or_none(c->module, s_fw_pre_kw)) == NULL ||
         (items = items_of(global, own)) == NULL) {
         goto done;
     }
@@ -311,6 +324,8 @@ forward_hooks_clear(ForwardHooks *f)
     }
 }
 
+/* 0 with every field read, 1 when both registries are empty (the companions are
+ * then not read: None), -1 with an exception set. */
 static int
 forward_hooks_read(ForwardHooks *f, PyObject *module)
 {
@@ -318,8 +333,20 @@ forward_hooks_read(ForwardHooks *f, PyObject *module)
     PyObject *owners[2] = {hc_objects.registries, module};
     PyObject *names[2][3] = {{s_g_fw, s_g_fw_kw, s_g_fw_always}, {s_fw, s_fw_kw, s_fw_always}};
     for (int i = 0; i < 2; i++) {
-        if ((f->hooks[i] = attr_or_none(owners[i], names[i][0])) == NULL ||
-            (f->with_kwargs[i] = attr_or_none(owners[i], names[i][1])) == NULL ||
+        if ((f->hooks[i] = attr_or_none(owners[i], names[i][0])) == NULL) {
+            forward_hooks_clear(f);
+            return -1;
+        }
+    }
+    if (empty(f->hooks[0]) && empty(f->hooks[1])) {
+        for (int i = 0; i < 2; i++) {
+            f->with_kwargs[i] = Py_NewRef(Py_None);
+            f->always[i] = Py_NewRef(Py_None);
+        }
+        return 1;
+    }
+    for (int i = 0; i < 2; i++) {
+        if ((f->with_kwargs[i] = attr_or_none(owners[i], names[i][1])) == NULL ||
             (f->always[i] = attr_or_none(owners[i], names[i][2])) == NULL) {
             forward_hooks_clear(f);
             return -1;
@@ -346,8 +373,12 @@ static int
 run_forward_hooks(HookCall *c)
 {
     ForwardHooks f;
-    if (forward_hooks_read(&f, c->module) < 0) {
-        return -1;
+    int read = forward_hooks_read(&f, c->module);
+    if (read != 0) {
+        if (read > 0) {
+            forward_hooks_clear(&f);
+        }
+        return read > 0 ? 0 : -1;
     }
     int rc = -1;
     PyObject *items = items_of(f.hooks[0], f.hooks[1]);
@@ -412,7 +443,7 @@ run_always_called(HookCall *c)
     }
     static const char *what[2] = {"global module forward hook", "module forward hook"};
     for (int i = 0; i < 2; i++) {
-        PyObject *items = f.hooks[i] == Py_None ? PyList_New(0) : PyMapping_Items(f.hooks[i]);
+        PyObject *items = empty(f.hooks[i]) ? PyList_New(0) : PyMapping_Items(f.hooks[i]);
         if (items == NULL) {
             forward_hooks_clear(&f);
             goto replaced;

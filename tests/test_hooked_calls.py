@@ -603,3 +603,26 @@ def test_python_in_the_middle_of_call_hooked_frees_and_mutates_what_it_holds():
             nnscaler.compile(model)
             assert torch.equal(model(x), eager(x))
     assert not _C.eval_frame_installed() and _C.current_config() is None
+
+
+@pytest.mark.parametrize("with_kwargs", [False, True])
+def test_global_forward_hooks_equal_eager(with_kwargs):
+    """Only a global forward hook (the module's own registries empty): read from
+    torch.nn.modules.module, with its with_kwargs companion."""
+    eager, model, compiled = pair()
+    logs: list = []
+
+    def hook(module, args, *rest):
+        out = rest[-1]
+        if type(module) is Inner:
+            logs.append((type(module).__name__, len(rest)))
+            return out * 7
+        return None
+
+    handle = nn.modules.module.register_module_forward_hook(hook, with_kwargs=with_kwargs)
+    try:
+        assert_same(run_both(eager, compiled))
+    finally:
+        handle.remove()
+    assert len(logs) == 6 and len(set(logs)) == 1
+    assert_same(run_both(eager, compiled, calls=2))
