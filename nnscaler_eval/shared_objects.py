@@ -57,5 +57,12 @@ def global_hook_items() -> list[tuple[str, dict]]:
     return items
 
 
+# The registries whose entries make nn.Module._call_impl leave its fast path; the
+# *_with_kwargs / *_always_called companions only qualify their entries (and torch
+# leaves a global hook's with_kwargs mark behind when the hook is removed).
+CALL_HOOK_DICT_NAMES = GLOBAL_HOOK_DICT_NAMES[:4]
+
+
 def global_hook_dicts() -> tuple[dict, ...]:
-    return tuple(d for _, d in global_hook_items())
+    """The global registries a module call checks for hooks (CALL_HOOK_DICT_NAMES)."""
+    return tuple(d for name, d in global_hook_items() if name in CALL_HOOK_DICT_NAMES)

@@ -626,3 +626,17 @@ def test_global_forward_hooks_equal_eager(with_kwargs):
         handle.remove()
     assert len(logs) == 6 and len(set(logs)) == 1
     assert_same(run_both(eager, compiled, calls=2))
+
+
+def test_a_removed_global_hook_leaves_submodules_inlined():
+    """torch leaves a removed global hook's with_kwargs mark in
+    _global_forward_hooks_with_kwargs; _call_impl ignores it (no hook in the main
+    registries), so must we: submodules are inlined again, not opaque nodes."""
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, kwargs, out: None, with_kwargs=True)
+    handle.remove()
+    eager, model, compiled = pair()
+    assert_same(run_both(eager, compiled))
+    # one graph for the root, no capture of Inner.forward on its own
+    assert nnscaler.cache_info(model).captures == 1
+    assert nnscaler.cache_info(model.inner).captures == 0

@@ -249,21 +249,18 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _has_call_hooks(module: nn.Module) -> bool:
-    """Would `nn.Module._call_impl` run any hook for this module?"""
+    """Would `nn.Module._call_impl` run any hook for this module?  Its own fast-path
+    test: the with_kwargs / always_called companions only qualify entries of these
+    (torch leaves a removed global hook's with_kwargs mark behind)."""
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
-        or getattr(module, "_forward_hooks_with_kwargs", None)
-        or getattr(module, "_forward_hooks_always_called", None)
-        or getattr(module, "_forward_pre_hooks_with_kwargs", None)
         or module_globals._global_forward_hooks
         or module_globals._global_forward_pre_hooks
         or module_globals._global_backward_hooks
         or module_globals._global_backward_pre_hooks
-        or getattr(module_globals, "_global_forward_hooks_always_called", None)
-        or getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
     )
 
 
