@@ -239,7 +239,22 @@ plain_call_keep(PlainCall *kept, PyObject *module, PyObject *forward)
     kept->dict = dict;
 }
 
-enum { FRAMELESS_MAX_ARGS = 8 };
+/* torch.Tensor and nn.Parameter once read (torch keeps both for good). */
+static PyTypeObject *plain_tensor, *plain_parameter;
+
+/* 1 when `arg` is exactly a torch.Tensor or an nn.Parameter. */
+static inline int
+plain_tensor_arg(PyObject *arg)
+{
+    if (plain_tensor == NULL && !nns_tensor_classes(&plain_tensor, &plain_parameter)) {
+        return 0;
+    }
+    return Py_IS_TYPE(arg, plain_tensor) || Py_IS_TYPE(arg, plain_parameter);
+}
+
+/* Slots of a frameless call held on the C stack; a call with more arguments takes a
+ * PyMem block for them (its cost is small against the key's per tensor). */
+enum { FRAMELESS_STACK_SLOTS = 64 };
 
 /* `forward(module, *args)` for a plain positional call, answered from the cache
  * without making the forward's frame (dispatch_hit_by_slots), else through the frame
@@ -255,27 +270,33 @@ call_forward(ModuleCall *self, PyObject *forward, PyObject *module, PyObject *co
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyCodeObject *code = (PyCodeObject *)PyFunction_GET_CODE(forward);
     CodeState *cs;
-    if (kwnames != NULL || nargs + 1 > FRAMELESS_MAX_ARGS || code->co_argcount != nargs + 1 ||
+    if (kwnames != NULL || code->co_argcount != nargs + 1 ||
         code->co_kwonlyargcount != 0 || (code->co_flags & (CO_VARARGS | CO_VARKEYWORDS)) ||
         (cs = code_state_peek(code)) == NULL || !(cs->flags & CS_FORWARD) ||
         (cs->flags & CS_SKIP) || frame_record_active() ||
         nns_thread_in_trace_callback(PyThreadState_Get())) {
         return call_unbound(forward, module, args, nargsf, kwnames);
     }
-    PyObject *slots[FRAMELESS_MAX_ARGS];
-    slots[0] = module;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *arg = args[i];
-        if (arg != Py_None && !PyBool_Check(arg) && !nns_tensor_exact(arg)) {
+        if (!plain_tensor_arg(arg) && arg != Py_None && !PyBool_Check(arg)) {
             return call_unbound(forward, module, args, nargsf, kwnames);
         }
-        slots[i + 1] = arg;
     }
+    PyObject *stack_slots[FRAMELESS_STACK_SLOTS];
+    PyObject **slots = stack_slots;
+    if (nargs + 1 > FRAMELESS_STACK_SLOTS &&
+        (slots = PyMem_Malloc(sizeof(PyObject *) * (size_t)(nargs + 1))) == NULL) {
+        return call_unbound(forward, module, args, nargsf, kwnames);   /* no frameless */
+    }
+    slots[0] = module;
+    memcpy(slots + 1, args, sizeof(PyObject *) * (size_t)nargs);
     PyObject *result;
-    if (dispatch_hit_by_slots(cs, self->config, module, slots, nargs + 1, &result)) {
-        return result;
+    int done = dispatch_hit_by_slots(cs, self->config, module, slots, nargs + 1, &result);
+    if (slots != stack_slots) {
+        PyMem_Free(slots);
     }
-    return call_unbound(forward, module, args, nargsf, kwnames);
+    return done ? result : call_unbound(forward, module, args, nargsf, kwnames);
 }
 
 /* The module, a new reference; NULL with ReferenceError once it was collected (a
