@@ -227,64 +227,64 @@ put_int_sequence(CallKey *key, PyObject *seq)
     return 0;
 }
 
+/* The alias set's first slot for address `t`: Fibonacci hashing (objects are
+ * 16-byte aligned) to 7 bits. */
 static inline size_t
 alias_slot(const void *t)
 {
-    /* Fibonacci hashing of the address (objects are 16-byte aligned) to 7 bits. */
     return (size_t)((((uintptr_t)t >> 4) * UINT64_C(0x9E3779B97F4A7C15)) >> 57);
 }
 
-/* The index of `t` among the tensors already put in this key, or -1.  Inputs that
- * are one tensor object share one placeholder in the graph (the tracer maps tensors
- * by identity), so which slots alias is part of what the graph was specialised on. */
-static Py_ssize_t
-seen_tensor(CallKey *key, PyObject *t)
+/* The set's slot holding tensor `t`, or the empty slot where it would go (linear
+ * probing; the set is at most half full). */
+static inline size_t
+alias_probe(const CallKey *key, const void *t)
 {
-    Py_ssize_t n = key->n_tensors < CALL_KEY_MAX_ALIAS ? key->n_tensors : CALL_KEY_MAX_ALIAS;
-    if (n <= CALL_KEY_ALIAS_LINEAR) {
-        for (Py_ssize_t i = 0; i < n; i++) {
+    size_t i = alias_slot(t);
+    for (unsigned at; (at = key->alias_set[i]) != 0; i = (i + 1) & (CALL_KEY_ALIAS_SLOTS - 1)) {
+        if (key->tensors[at - 1] == t) {
+            break;
+        }
+    }
+    return i;
+}
+
+/* The index of `t` among the tensors already put in this key, or -1 after making
+ * it the next tracked one (while fewer than CALL_KEY_MAX_ALIAS are).  Inputs that
+ * are one tensor object share one placeholder in the graph (the tracer maps tensors
+ * by identity), so which slots alias is part of what the graph was specialised on.
+ * The first CALL_KEY_ALIAS_LINEAR tensors are compared one by one; from the next
+ * one on, each takes one probe sequence of the alias set. */
+static inline Py_ssize_t
+seen_or_remember(CallKey *key, PyObject *t)
+{
+    const Py_ssize_t index = key->n_tensors;
+    if (index <= CALL_KEY_ALIAS_LINEAR) {
+        for (Py_ssize_t i = 0; i < index; i++) {
             if (key->tensors[i] == (void *)t) {
                 return i;
             }
         }
+        key->tensors[index] = (void *)t;
+        if (index == CALL_KEY_ALIAS_LINEAR) {   /* the set starts here, with all so far */
+            memset(key->alias_set, 0, sizeof(key->alias_set));
+            for (Py_ssize_t i = 0; i <= index; i++) {
+                key->alias_set[alias_probe(key, key->tensors[i])] = (unsigned char)(i + 1);
+            }
+        }
         return -1;
     }
-    for (size_t i = alias_slot(t);; i = (i + 1) & (CALL_KEY_ALIAS_SLOTS - 1)) {
-        unsigned char at = key->alias_set[i];
-        if (at == 0) {
-            return -1;
-        }
-        if (key->tensors[at - 1] == (void *)t) {
-            return at - 1;
-        }
+    const size_t slot = alias_probe(key, t);
+    const unsigned at = key->alias_set[slot];
+    if (at != 0) {
+        return (Py_ssize_t)at - 1;
     }
-}
-
-static inline void
-alias_set_add(CallKey *key, Py_ssize_t index)
-{
-    size_t i = alias_slot(key->tensors[index]);
-    while (key->alias_set[i] != 0) {
-        i = (i + 1) & (CALL_KEY_ALIAS_SLOTS - 1);
+    if (index < CALL_KEY_MAX_ALIAS) {
+        /* an address only: the caller's slots keep these tensors alive meanwhile */
+        key->tensors[index] = (void *)t;
+        key->alias_set[slot] = (unsigned char)(index + 1);
     }
-    key->alias_set[i] = (unsigned char)(index + 1);
-}
-
-/* Track tensor `t` as the key's next one (the caller checked there is room). */
-static void
-remember_tensor(CallKey *key, PyObject *t)
-{
-    Py_ssize_t index = key->n_tensors;
-    key->tensors[index] = (void *)t;
-    if (index == CALL_KEY_ALIAS_LINEAR) {   /* the set starts here, with all so far */
-        memset(key->alias_set, 0, sizeof(key->alias_set));
-        for (Py_ssize_t i = 0; i <= index; i++) {
-            alias_set_add(key, i);
-        }
-    }
-    else if (index > CALL_KEY_ALIAS_LINEAR) {
-        alias_set_add(key, index);
-    }
+    return -1;
 }
 
 /* A torch.device (DEVICE_* above).  Runs no Python. */
@@ -358,20 +358,18 @@ done:
     return ret;
 }
 
-static inline int
-put_tensor(CallKey *key, PyObject *t)
+/* Inlined into call_key_build's loop (most arguments are plain tensors): a call per
+ * tensor cost a dozen instructions of register saves. */
+static inline __attribute__((always_inline)) int
+put_tensor(CallKey *key, PyObject *t, int exact)
 {
-    Py_ssize_t earlier = seen_tensor(key, t);
+    Py_ssize_t earlier = seen_or_remember(key, t);
     if (earlier >= 0) {
         return (put_tag(key, TAG_ALIAS) < 0 || put_i64(key, earlier) < 0) ? -1 : 0;
     }
-    if (key->n_tensors < CALL_KEY_MAX_ALIAS) {
-        /* an address only: the caller's slots keep these tensors alive meanwhile */
-        remember_tensor(key, t);
-    }
     /* more tensor inputs than we track: alias detection past here is off, so say so
      * in the key (such calls never share an entry with tracked ones) */
-    else if (put_tag(key, TAG_UNTRACKED) < 0) {
+    if (key->n_tensors >= CALL_KEY_MAX_ALIAS && put_tag(key, TAG_UNTRACKED) < 0) {
         return -1;
     }
     key->n_tensors++;
@@ -382,7 +380,8 @@ put_tensor(CallKey *key, PyObject *t)
         return -1;
     }
     unsigned char *p = key->data + key->len;
-    size_t written = nns_tensor_record(t, p + 1 + sizeof(type));
+    size_t written = exact ? nns_tensor_record_exact(t, p + 1 + sizeof(type))
+                           : nns_tensor_record(t, p + 1 + sizeof(type));
     if (written == 0) {
         return put_tensor_through_python(key, t);
     }
@@ -620,7 +619,7 @@ put_value(CallKey *key, PyObject *v, int depth)
     }
     PyTypeObject *type = Py_TYPE(v);
     if (type == tensor_class || PyObject_TypeCheck(v, guard_env.tensor_type)) {
-        return put_tensor(key, v);
+        return put_tensor(key, v, 0);
     }
     if (depth < MAX_DEPTH) {
         if (type == &PyLong_Type) {
@@ -701,7 +700,7 @@ call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         /* A plain torch.Tensor (most arguments) goes straight to its record. */
-        if (Py_TYPE(values[i]) == tensor_class ? put_tensor(key, values[i]) < 0
+        if (Py_TYPE(values[i]) == tensor_class ? put_tensor(key, values[i], 1) < 0
                                                : put_value(key, values[i], 0) < 0) {
             return -1;
         }

@@ -21,7 +21,7 @@
 
 #define CALL_KEY_INLINE 512
 #define CALL_KEY_MAX_ALIAS 64   /* tensors tracked for aliasing in one key */
-#define CALL_KEY_ALIAS_LINEAR 8 /* up to this many: a linear scan finds an alias */
+#define CALL_KEY_ALIAS_LINEAR 4 /* up to this many: a linear scan finds an alias */
 #define CALL_KEY_ALIAS_SLOTS 128   /* a power of two, at least 2 * CALL_KEY_MAX_ALIAS */
 #define CALL_KEY_MAX_STRUCT_TYPES 32
 #define CALL_KEY_SHARED_INLINE 16   /* keyed objects tracked without an allocation */
@@ -48,8 +48,9 @@ typedef struct {
     void **shared;              /* shared_inline or a PyMem block; addresses only */
     void *shared_inline[CALL_KEY_SHARED_INLINE];
     void *tensors[CALL_KEY_MAX_ALIAS];   /* their addresses (alias detection only) */
-    /* Past CALL_KEY_ALIAS_LINEAR tensors, an open-addressing set over `tensors`: the
-     * index + 1 of each, 0 for an empty slot (the lookup stays O(1) per tensor). */
+    /* Past CALL_KEY_ALIAS_LINEAR tensors, an open-addressing set over `tensors`, by
+     * address: the index + 1 of each, 0 for an empty slot.  One probe sequence per
+     * tensor finds an alias or the slot the new tensor takes. */
     unsigned char alias_set[CALL_KEY_ALIAS_SLOTS];
     unsigned char inline_buf[CALL_KEY_INLINE];
 } CallKey;

@@ -4,6 +4,7 @@
 #include "tensor_meta.h"
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 
 #ifndef NNS_NO_TORCH_HEADERS
@@ -21,17 +22,6 @@ nns_grad_mode(void)
 #endif
 }
 
-extern "C" int
-nns_tensor_exact(PyObject *obj)
-{
-#ifdef NNS_NO_TORCH_HEADERS
-    (void)obj;
-    return 0;
-#else
-    return THPVariableClass != nullptr && THPVariable_CheckTypeExact(Py_TYPE(obj));
-#endif
-}
-
 extern "C" PyTypeObject *
 nns_tensor_class(void)
 {
@@ -41,6 +31,30 @@ nns_tensor_class(void)
     return reinterpret_cast<PyTypeObject *>(THPVariableClass);
 #endif
 }
+
+#ifndef NNS_NO_TORCH_HEADERS
+/* Tensors of up to kShortDims dimensions have their sizes and strides copied as
+ * fixed blocks of kShortDims words each.  Only where both arrays are the
+ * TensorImpl's own inline storage (SizesAndStrides holds
+ * C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE sizes, then as many strides, inside the
+ * object): then every word read is the object's own memory.  Anything else (sizes kept out of line, a
+ * TensorImpl subclass answering sizes() from elsewhere) copies exactly ndim. */
+static constexpr int64_t kShortDims = 4;
+static_assert(kShortDims <= C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE, "inline storage is shorter");
+static_assert(16 + 2 * 8 * kShortDims <= NNS_TENSOR_RECORD_MAX, "record room");
+
+/* Both arrays are the inline storage of a SizesAndStrides inside `impl`: the
+ * strides follow the sizes there, and the whole storage lies within the object. */
+static inline bool
+stored_inline(const c10::TensorImpl *impl, const int64_t *sizes, const int64_t *strides)
+{
+    constexpr uintptr_t span = 8 * 2 * C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE;
+    static_assert(sizeof(c10::TensorImpl) >= span, "TensorImpl holds its inline sizes");
+    const uintptr_t offset = reinterpret_cast<uintptr_t>(sizes) - reinterpret_cast<uintptr_t>(impl);
+    return strides == sizes + C10_SIZES_AND_STRIDES_MAX_INLINE_SIZE &&
+           offset <= sizeof(c10::TensorImpl) - span;   /* unsigned: below impl wraps */
+}
+#endif
 
 extern "C" size_t
 nns_tensor_record(PyObject *obj, unsigned char *out)
@@ -53,6 +67,18 @@ nns_tensor_record(PyObject *obj, unsigned char *out)
     if (THPVariableClass == nullptr || !THPVariable_CheckTypeExact(Py_TYPE(obj))) {
         return 0;
     }
+    return nns_tensor_record_exact(obj, out);
+#endif
+}
+
+extern "C" size_t
+nns_tensor_record_exact(PyObject *obj, unsigned char *out)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    (void)obj;
+    (void)out;
+    return 0;
+#else
     try {
         const at::Tensor &t = THPVariable_Unpack(obj);
         if (!t.defined()) {
@@ -76,18 +102,45 @@ nns_tensor_record(PyObject *obj, unsigned char *out)
         fixed.requires_grad = impl->requires_grad() ? 1 : 0;
         fixed.ndim = static_cast<int32_t>(ndim);
         std::memcpy(out, &fixed, head);
+        unsigned char *p = out + head;
+        const size_t span = 8 * static_cast<size_t>(ndim);
         const int64_t *sizes = impl->sizes().data();
         const int64_t *strides = impl->strides().data();
-        unsigned char *p = out + head;
-        for (int64_t i = 0; i < ndim; i++) {
-            std::memcpy(p + 8 * i, sizes + i, 8);
-            std::memcpy(p + 8 * (ndim + i), strides + i, 8);
+        if (ndim <= kShortDims && stored_inline(impl, sizes, strides)) {
+            /* Fixed-size copies (no loop, no library call): kShortDims words of
+             * sizes, then as many of strides at the end of the sizes, over the
+             * sizes' tail.  What lies past the record is not part of it (`out` has
+             * room for NNS_TENSOR_RECORD_MAX bytes). */
+            std::memcpy(p, sizes, 8 * kShortDims);
+            std::memcpy(p + span, strides, 8 * kShortDims);
         }
-        return head + 16 * static_cast<size_t>(ndim);
+        else {
+            for (int64_t i = 0; i < ndim; i++) {
+                std::memcpy(p + 8 * i, sizes + i, 8);
+                std::memcpy(p + span + 8 * i, strides + i, 8);
+            }
+        }
+        return head + 2 * span;
     }
     catch (...) {
         return 0;
     }
+#endif
+}
+
+extern "C" int
+nns_tensor_classes(PyTypeObject **tensor, PyTypeObject **parameter)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    *tensor = *parameter = nullptr;
+    return 0;
+#else
+    if (THPVariableClass == nullptr || ParameterClass == nullptr) {
+        return 0;
+    }
+    *tensor = reinterpret_cast<PyTypeObject *>(THPVariableClass);
+    *parameter = reinterpret_cast<PyTypeObject *>(ParameterClass);
+    return 1;
 #endif
 }
 

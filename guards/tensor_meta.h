@@ -37,6 +37,9 @@ typedef struct {
  * meaningful).  Runs no Python, never raises. */
 #define NNS_TENSOR_RECORD_MAX (16 + 2 * 8 * NNS_TENSOR_META_MAX_DIM)
 size_t nns_tensor_record(PyObject *obj, unsigned char *out);
+/* The same for an `obj` whose type the caller found to be exactly torch.Tensor or
+ * nn.Parameter (nns_tensor_class, nns_tensor_classes). */
+size_t nns_tensor_record_exact(PyObject *obj, unsigned char *out);
 
 /* torch.Tensor (THPVariableClass, which torch keeps for the life of the process) once
  * torch._C has initialised, else NULL.  Never raises. */
@@ -47,9 +50,11 @@ PyTypeObject *nns_tensor_class(void);
  * never raises. */
 int nns_grad_mode(void);
 
-/* 1 when `obj`'s type is exactly torch.Tensor or nn.Parameter (reading it runs no
- * Python), else 0 (and always 0 without torch's headers).  Never raises. */
-int nns_tensor_exact(PyObject *obj);
+/* torch.Tensor and nn.Parameter (the two classes whose instances nns_tensor_record
+ * reads; torch keeps both for the life of the process): 1 with both set once
+ * torch._C has initialised, else 0 (always 0 without torch's headers).  Never
+ * raises. */
+int nns_tensor_classes(PyTypeObject **tensor, PyTypeObject **parameter);
 
 /* The c10::ScalarType of a torch.dtype object, or -1 when `obj` is not one (or the
  * build has no torch headers).  Runs no Python, never raises. */
