@@ -39,6 +39,7 @@ entry_clear(CacheEntry *self)
     }
     Py_CLEAR(self->guard_names);
     Py_CLEAR(self->info);
+    self->n_weak_pins = 0;   /* borrowed from pins */
     Py_CLEAR(self->pins);
 #ifdef NNS_DICT_TAGS_MONOTONIC
     self->n_tagged = 0;   /* the guards released their dicts */
@@ -57,6 +58,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
     PyMem_Free(self->owners);
+    PyMem_Free(self->weak_pins);
 #ifdef NNS_DICT_TAGS_MONOTONIC
     PyMem_Free(self->tagged);
 #endif
@@ -378,14 +380,11 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             return -1;
         }
     }
-    if (entry->pins != NULL) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entry->pins); i++) {
-            PyObject *pin = PyList_GET_ITEM(entry->pins, i);
-            if (PyWeakref_CheckRef(pin) && nns_weakref_object(pin) == Py_None) {
-                /* an object the key names by address died: the address may be reused */
-                *failed = -1;
-                return -1;
-            }
+    for (Py_ssize_t i = 0; i < entry->n_weak_pins; i++) {
+        if (nns_weakref_object(entry->weak_pins[i]) == Py_None) {
+            /* an object the key names by address died: the address may be reused */
+            *failed = -1;
+            return -1;
         }
     }
     Py_ssize_t base = entry->n_flags;
@@ -1103,6 +1102,51 @@ cache_lookup(CacheBucket *bucket, CallKey *key)
     return found;
 }
 
+/* The weak references in `pins` (a list of weakrefs and strongly held objects), each
+ * once, into a new PyMem array (NULL when there are none).  A key pins the class of
+ * every tensor it describes, so one weakref recurs once per tensor; a repeat within
+ * the last PIN_WINDOW distinct ones is dropped (one further away is kept: checking
+ * it twice is only redundant).  Runs no Python.  0, or -1 with MemoryError. */
+#define PIN_WINDOW 8
+static int
+collect_weak_pins(PyObject *pins, PyObject ***out, Py_ssize_t *n_out)
+{
+    Py_ssize_t n = PyList_GET_SIZE(pins), kept = 0;
+    *out = NULL;
+    *n_out = 0;
+    if (n == 0) {
+        return 0;
+    }
+    PyObject **refs = PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
+    if (refs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pin = PyList_GET_ITEM(pins, i);
+        if (!PyWeakref_CheckRef(pin)) {
+            continue;
+        }
+        int repeat = 0;
+        for (Py_ssize_t j = kept - 1; j >= 0 && j >= kept - PIN_WINDOW; j--) {
+            if (refs[j] == pin) {
+                repeat = 1;
+                break;
+            }
+        }
+        if (!repeat) {
+            refs[kept++] = pin;
+        }
+    }
+    if (kept == 0) {
+        PyMem_Free(refs);
+        return 0;
+    }
+    *out = refs;
+    *n_out = kept;
+    return 0;
+}
+
 int
 cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key)
 {
@@ -1128,10 +1172,20 @@ cache_insert(CacheBucket *bucket, CacheEntry *entry, const CallKey *key)
         return -1;
     }
     memcpy(data, key->data, key->len);
-    if (PyList_Insert(bucket->entries, 0, (PyObject *)entry) < 0) {
+    PyObject **weak_pins = NULL;
+    Py_ssize_t n_weak_pins = 0;
+    if (key->pins != NULL && collect_weak_pins(key->pins, &weak_pins, &n_weak_pins) < 0) {
         PyMem_Free(data);
         return -1;
     }
+    if (PyList_Insert(bucket->entries, 0, (PyObject *)entry) < 0) {
+        PyMem_Free(weak_pins);
+        PyMem_Free(data);
+        return -1;
+    }
+    PyMem_Free(entry->weak_pins);
+    entry->weak_pins = weak_pins;
+    entry->n_weak_pins = n_weak_pins;
     entry->key = data;
     entry->key_len = key->len;
     entry->key_hash = call_key_hash(key);

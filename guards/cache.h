@@ -62,6 +62,10 @@ typedef struct {
                                   when equal outside them and the guards hold */
     PyObject *pins;            /* owned list or NULL: objects keyed by identity, held by
                                   weakref where possible (a dead one: entry stale) */
+    Py_ssize_t n_weak_pins;
+    PyObject **weak_pins;      /* PyMem, borrowed from `pins` (only ever appended to): its weak references, each
+                                  once (a key pins the class of every tensor: one
+                                  weakref, met once per tensor), for the hit path */
     Py_ssize_t hits;
     uint64_t clean_clock;      /* nns_dict_clock() at the last check that found every
                                   dict unchanged, or 0 (compat_objects.h: 3.12+ skip the
