@@ -464,7 +464,7 @@ def _sum12_other(*xs):
 
 
 def test_aliases_past_the_linear_scan_are_found():
-    """Past 8 tensors aliases are found through a hashed set (guards/call_key.c): which
+    """Past 4 tensors aliases are found through a hashed set (guards/call_key.c): which
     slots are one tensor is still part of the key, wherever the pair lies."""
     xs = [torch.full((2,), float(i)) for i in range(12)]
     patterns = [list(range(12)), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 3],
@@ -477,6 +477,97 @@ def test_aliases_past_the_linear_scan_are_found():
         args = [xs[i] for i in p]
         assert torch.equal(g(*args), _sum12(*args)), p
     assert nnscaler.cache_info(g).hits == 1   # the repeated pattern
+
+
+def test_each_pinned_object_that_dies_makes_its_entry_stale():
+    """An entry checks each distinct weak pin once (guards/cache.c, collect_weak_pins:
+    the tensor class a key pins per tensor is one weakref).  Whichever object dies,
+    first, last, or one between long runs of tensors, the entry goes stale."""
+    def fn(*args):
+        return args[0] + 1
+    g = nnscaler.compile(fn, cache_size_limit=64)
+    t = torch.zeros(2)
+    for victim in range(12):
+        objs = [Foo() for _ in range(12)]
+        args = [t]
+        for i in range(len(objs)):
+            args += [objs[i]] + [torch.zeros(2)] * (i % 3) + [torch.zeros(1) for _ in range(i % 5)]
+        g(*args)
+        entry = next(e for e in _entries(g) if e.check_verbose() is None
+                     and f"{id(objs[victim]):#x}" in " ".join(e.key_description))
+        del args
+        objs[victim] = None
+        gc.collect()
+        assert entry.check_verbose() is not None, victim
+
+
+def test_a_record_holds_only_the_tensors_own_dimensions():
+    """Sizes and strides of short tensors are copied as fixed blocks
+    (guards/tensor_meta.cpp); what lies past the tensor's own dimensions (a shrunk
+    tensor's old sizes) must not reach the key."""
+    fresh = [torch.zeros(6, 20), torch.zeros(5), torch.zeros(()), torch.zeros(2, 3, 4),
+             torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, 5), torch.zeros(1, 1, 2, 1, 3, 1)]
+    for want in fresh:
+        grown = torch.zeros(7, 8, 9, 10)
+        grown.resize_(want.shape)        # in place: the old dims stay in the storage
+        assert grown.shape == want.shape and grown.stride() == want.stride()
+        assert _C.call_key_bytes(_C.CallKey(grown)) == _C.call_key_bytes(_C.CallKey(want))
+    # and through a compiled function: one entry per shape, every answer eager's
+    g = nnscaler.compile(lambda x: x.sum(-1, keepdim=True) + x.dim(), cache_size_limit=16)
+    x = torch.arange(7 * 8 * 9 * 10.0).reshape(7, 8, 9, 10)
+    for shape in [(7, 8, 9, 10), (7, 8, 9), (5, 4), (7, 8, 9, 10), (3,), (5, 4)]:
+        y = x.clone().resize_(shape)
+        assert torch.equal(g(y), y.sum(-1, keepdim=True) + y.dim()), shape
+    assert nnscaler.cache_info(g).hits == 2
+
+
+class _ManyInputs(nn.Module):
+    def forward(self, *xs):
+        out = xs[0] * 1
+        for i, x in enumerate(xs[1:]):
+            out = out + x * (i + 2)
+        return out
+
+
+def _positional(n):
+    """A module whose forward takes exactly n positional tensors (a frameless call
+    through the compiled wrapper: guards/..csrc/compiled_call.c, call_forward)."""
+    names = [f"x{i}" for i in range(n)]
+    ns = {}
+    exec(f"def forward(self, {', '.join(names)}):\n"
+         f"    return _ManyInputs.forward(self, {', '.join(names)})\n",
+         {"_ManyInputs": _ManyInputs}, ns)
+    return type(f"Positional{n}", (nn.Module,), {"forward": ns["forward"]})()
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 63, 64, 65, 100])
+def test_many_positional_tensors_hit_and_match_eager(n):
+    """Plain positional calls of any arity take the frameless hit (no forward frame);
+    aliases, an in-place change of one input's shape or strides, and a non-tensor
+    argument all still key correctly."""
+    m = _positional(n)
+    eager = _positional(n)
+    compiled = nnscaler.compile(m)
+    xs = [torch.full((2, 3), float(i)) for i in range(n)]
+    patterns = [list(range(n)), [0] * n, [min(i, n - 1) for i in range(1, n + 1)]]
+    for _ in range(2):
+        for p in patterns:
+            args = [xs[i] for i in p]
+            assert torch.equal(compiled(*args), eager.forward(*args)), p
+    info = nnscaler.cache_info(compiled)
+    assert info.hits >= len(patterns) - (n == 1), info
+    # one input changed in place: a new shape, then new strides
+    last = xs[n // 2]
+    last.resize_(3, 2)
+    args = [x if x is last else x.view(3, 2) for x in xs]
+    assert torch.equal(compiled(*args), eager.forward(*args))
+    last.t_()
+    args = [x if x is last else x.view(3, 2).t() for x in xs]
+    assert torch.equal(compiled(*args), eager.forward(*args))
+    # anything but a tensor, None or a bool takes the frame path, as before
+    args[-1] = 2.0
+    if n > 1:
+        assert torch.equal(compiled(*args), eager.forward(*args))
 
 
 def test_a_key_built_inside_a_key_past_the_linear_scan():
