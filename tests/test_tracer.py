@@ -184,9 +184,9 @@ def test_generated_source_is_readable():
     source = inspect.getsource(runner)
     lines = [line.strip() for line in source.splitlines()]
     assert lines[0] == "def forward(self, x):"
-    assert "linear = F_linear(x, fc1_weight, fc1_bias)" in lines
-    assert "relu = torch_relu(linear); linear = None" in lines
-    assert "linear_1 = F_linear(relu, fc2_weight, fc2_bias); relu = None" in lines
+    # one user line, each value used once by the next call: as eager code reads
+    assert "linear_1 = F_linear(torch_relu(F_linear(x, fc1_weight, fc1_bias)), " \
+           "fc2_weight, fc2_bias)" in lines
     assert lines[-1] == "return linear_1"
     # Each block names the user's line that produced it.
     assert any(
@@ -476,6 +476,32 @@ def test_tensor_operators_methods_and_tuple_results():
     source = cap.runner_source()
     assert "sub = 2 - x" in source
     assert "x[:, 1:3]" in source
+
+
+class _Inlining(nn.Module):
+    def forward(self, x, y):
+        b = x.relu().sin()             # relu: used once, by the next call, first: inlined
+        c = (b * b).cos()              # b used twice: a name; b * b inlined into cos
+        d = (y + c.cos()).exp()        # c.cos() is not the add's first argument: a name
+        f = d.sum(-1) + d.mean(-1)     # d used twice: a name
+        g = f.neg()
+        return g.abs(), f              # g is used by the next call, from another line
+
+
+def test_single_use_values_are_written_into_their_use():
+    model = _Inlining()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    cap = trace(model, x, y)
+    source = cap.runner_source()
+    body = [line.strip() for line in source.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+    assert "sin = x.relu().sin()" in body, source
+    assert "cos = sin.mul(sin).cos(); sin = None" in body, source
+    assert "cos_1 = cos.cos(); cos = None" in body, source
+    assert "exp = y.add(cos_1).exp(); cos_1 = None" in body, source
+    assert "neg = add_1.neg()" in body, source
+    assert any(line.startswith("abs_1 = neg.abs(); neg = None") for line in body), source
+    assert_close(replay(cap, model, x, y), model(x, y))
 
 
 def test_autograd_through_the_runner_matches_eager():
@@ -1101,7 +1127,8 @@ def test_errors_in_a_runner_point_at_generated_source():
         runner(model, torch.randn(2, 3))
     text = "".join(__import__("traceback").format_exception(info.value))
     assert "<nnscaler graph MLP.forward" in text
-    assert "linear = F_linear(x, fc1_weight, fc1_bias)" in text
+    assert "F_linear(x, fc1_weight, fc1_bias)" in text
+    assert "^^^" in text   # the failing call within the line (3.11+ positions)
 
 
 def test_linecache_entries_belong_to_their_runner():

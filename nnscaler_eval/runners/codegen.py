@@ -8,6 +8,9 @@ calls it on every cache hit, so its body is what a careful person would write by
 - method calls as `x.view(...)`, dunder operators as `a + b`, containers as literals;
 - each intermediate dropped (`name = None`) after its last use, so peak memory matches
   eager instead of holding every activation until the return;
+- a value used once, right away, as the first argument of the next call, written into
+  that call (`x.view(...).transpose(...)`), as eager code reads: no store, load or
+  `= None` for it;
 - the output rebuilt as a literal when it is made of tuples, lists and dicts (no
   per-call pytree walk); other pytree types go through `tree_unflatten` with a bound
   spec.
@@ -23,6 +26,7 @@ the user's line that produced it.
 
 from __future__ import annotations
 
+import ast
 import builtins
 import keyword
 import linecache
@@ -251,6 +255,31 @@ _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 _filename_lock = threading.RLock()
 
 _COND = torch.ops.higher_order.cond
+# Calls whose first argument is not evaluated first, or that are statements.
+_NOT_INLINED_INTO = frozenset({ifexpr, _COND, operator.setitem, setattr})
+_MAX_INLINE_DEPTH = 8
+
+
+def _as_operand(expression: str) -> str:
+    """`expression` as it may stand wherever a name did: a call, attribute or
+    subscript as it is, anything else (operators, conditionals) in parentheses."""
+    tree = ast.parse(expression, mode="eval").body
+    if isinstance(tree, (ast.Call, ast.Attribute, ast.Subscript, ast.Name)):
+        return expression
+    return f"({expression})"
+
+
+def _uses(user: fx.Node, node: fx.Node) -> int:
+    """How many times `node` appears in `user`'s arguments."""
+    count = 0
+
+    def visit(arg: Any) -> Any:
+        nonlocal count
+        count += arg is node
+        return arg
+
+    fx.node.map_arg((user.args, user.kwargs), visit)
+    return count
 
 
 class _RunnerWriter:
@@ -580,6 +609,8 @@ class _RunnerWriter:
                     last = max(users, key=position.__getitem__)
                     dies_at.setdefault(last, []).append(node)
 
+        inlined = self._inlined_values([n for n in graph_nodes if emitted(n)])
+        carried: list[fx.Node] = []
         last_location = None
         for node in graph_nodes:
             if not emitted(node):
@@ -588,8 +619,14 @@ class _RunnerWriter:
             if location is not None and location != last_location:
                 body.append(_location_comment(location))
                 last_location = location
+            if node in inlined:
+                # what dies at it dies at its user's line, the next one
+                self.values[node] = _as_operand(self.expression(node))
+                carried += dies_at.get(node, ())
+                continue
             statement = self.statement(node)
-            dead = [self.values[d] for d in dies_at.get(node, ()) if d in self.values]
+            dying, carried = carried + dies_at.get(node, []), []
+            dead = [self.values[d] for d in dying if d in self.values and d not in inlined]
             if dead:
                 statement += "; " + " = ".join(dead) + " = None"
             body.append(statement)
@@ -597,6 +634,37 @@ class _RunnerWriter:
         output = next(n for n in reversed(graph_nodes) if n.op == "output")
         results = cast(tuple, output.args[0])
         return self.output_expr(lambda i: self.render(results[i]), body)
+
+    def _inlined_values(self, emitted: list[fx.Node]) -> set[fx.Node]:
+        """The values written into their one use instead of a line of their own: used
+        once, by the next line, as its call's first argument (a method's receiver, an
+        operator's left operand, a function's first argument: what that call evaluates
+        first, after names only), from the same line of the user's code.  As eager
+        code reads, and four bytecodes less per value (its store, its load, and the
+        `= None` that freed it; the value dies as the call returns, as it did).  Not
+        into a call written twice (a direct call's two forms) or into a conditional,
+        and chains stop at _MAX_INLINE_DEPTH."""
+        inlined: set[fx.Node] = set()
+        depth: dict[fx.Node, int] = {}
+        for node, user in zip(emitted, emitted[1:]):
+            if (
+                len(node.users) != 1
+                or next(iter(node.users)) is not user
+                or not user.args
+                or user.args[0] is not node
+                or _uses(user, node) != 1
+                or node.meta.get("nnscaler_source") != user.meta.get("nnscaler_source")
+                or user.target in _NOT_INLINED_INTO
+                or direct_calls.lower(user, self.trusted) is not None
+                or node.target in _NOT_INLINED_INTO
+            ):
+                continue
+            level = depth.get(node, 0) + 1
+            if level > _MAX_INLINE_DEPTH:
+                continue
+            depth[user] = level
+            inlined.add(node)
+        return inlined
 
     def statement(self, node: fx.Node) -> str:
         """One line computing `node`, binding its value if anything uses it."""
