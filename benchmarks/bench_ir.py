@@ -72,8 +72,8 @@ BARE_HOOK_SRC = os.path.join(ROOT, "benchmarks", "bare_hook.c")
 BARE_HOOK_LIB = os.path.join(ROOT, "build", "bench_ir",
                              f"libbare_hook-{sys.implementation.cache_tag}.so")
 
-GROUPS = ["inputs", "inputs_dynamic", "linear", "stack", "gpt", "depth", "lookup", "instances", "frame_tax",
-          "generate"]
+GROUPS = ["inputs", "calls", "inputs_dynamic", "linear", "stack", "gpt", "depth", "lookup",
+          "instances", "frame_tax", "generate"]
 SIDES = ["eager", "ours", "dynamo"]
 FRAME_TAX_CALLS = 256   # plain frames per call in the frame_tax group's second point
 
@@ -379,6 +379,28 @@ def group_inputs(quick: bool) -> list[Point]:
         with torch.no_grad():
             _with_bodies(p, built, xs)
         points.append(p)
+    return points
+
+
+def group_calls(quick: bool) -> list[Point]:
+    """The bare call: a module whose forward returns its first of 1/8/16/32/64 tensor
+    arguments ((1, 8) each, no_grad), so that the figure is the call machinery per
+    input and nothing else (no body: the adders' allocations move their figures by a
+    few thousand instructions between runs).  Dynamo makes no graph of such a frame
+    and runs it as it is, after its callback."""
+    import torch
+
+    from benchmarks import models
+
+    points = []
+    for k in (1, 8, 16, 32, 64):
+        base = models.passthrough(k)
+        xs = tuple(torch.randn(1, 8) for _ in range(k))
+        built, ours = _sides(base, lambda c: c(*xs), context=torch.no_grad)
+        points.append(Point(f"{k} input{'s' if k > 1 else ''}, bare",
+                            {s: _loop(c, *xs) for s, c in built.items()},
+                            (10, 40) if quick else (20, 100), context=torch.no_grad,
+                            ours=ours, params={"inputs": k}, warm=3))
     return points
 
 
@@ -721,7 +743,8 @@ def group_generate(quick: bool) -> list[Point]:
 
 
 BUILDERS: dict[str, Callable[[bool], list[Point]]] = {
-    "inputs": group_inputs, "inputs_dynamic": group_inputs_dynamic, "linear": group_linear, "stack": group_stack,
+    "inputs": group_inputs, "calls": group_calls, "inputs_dynamic": group_inputs_dynamic,
+    "linear": group_linear, "stack": group_stack,
     "gpt": group_gpt, "depth": group_depth, "lookup": group_lookup,
     "instances": group_instances, "frame_tax": group_frame_tax, "generate": group_generate,
 }
@@ -975,6 +998,14 @@ def derive(groups: dict) -> list[dict]:
             (s, _sub(_ir(groups, "inputs", "32 inputs", s), _ir(groups, "inputs", "32 inputs", "eager body")),
              _sub(_ir(groups, "inputs", "1 input", s), _ir(groups, "inputs", "1 input", "eager body")))
             for s in SIDES)})
+    bare = {k: f"{k} input{'s' if k > 1 else ''}, bare" for k in (1, 32, 64)}
+    for k in (32, 64):
+        add(f"instructions per tensor input, bare call, 1 to {k} inputs",
+            f"(Ir of the bare call at {k} inputs - at 1 input) / {k - 1}: what each "
+            "further tensor argument costs the call itself",
+            {s: (None if _sub(_ir(groups, "calls", bare[k], s), _ir(groups, "calls", bare[1], s)) is None
+                 else _sub(_ir(groups, "calls", bare[k], s), _ir(groups, "calls", bare[1], s)) / (k - 1))
+             for s in SIDES})
     key_32 = _sub(_fn(groups, "inputs", "32 inputs", "ours", "key"),
                   _fn(groups, "inputs", "1 input", "ours", "key"))
     add("key instructions per tensor input",
