@@ -59,16 +59,12 @@ stored_inline(const c10::TensorImpl *impl, const int64_t *sizes, const int64_t *
 extern "C" size_t
 nns_tensor_record(PyObject *obj, unsigned char *out)
 {
-#ifdef NNS_NO_TORCH_HEADERS
-    (void)obj;
-    (void)out;
-    return 0;
-#else
-    if (THPVariableClass == nullptr || !THPVariable_CheckTypeExact(Py_TYPE(obj))) {
+    PyTypeObject *tensor, *parameter;   /* none without torch's headers */
+    if (!nns_tensor_classes(&tensor, &parameter) ||
+        (!Py_IS_TYPE(obj, tensor) && !Py_IS_TYPE(obj, parameter))) {
         return 0;
     }
     return nns_tensor_record_exact(obj, out);
-#endif
 }
 
 extern "C" size_t
