@@ -192,7 +192,8 @@ items_of(PyObject *first, PyObject *second)
     return all;
 }
 
-/* The i-th (key, hook) pair of `items` (borrowed), or -1 with TypeError. */
+/* The i-th (key, hook) pair of `items`, or -1 with TypeError.  Borrowed from the
+ * snapshot, a list only the caller holds: a hook cannot drop them. */
 static int
 pair_at(PyObject *items, Py_ssize_t i, PyObject **key, PyObject **hook)
 {
@@ -228,14 +229,10 @@ run_pre_hooks(HookCall *c)
         if (pair_at(items, i, &key, &hook) < 0) {
             goto done;
         }
-        Py_INCREF(key);
-        Py_INCREF(hook);
         int kw = member(with_kwargs, key);
         PyObject *r = kw < 0 ? NULL
                       : kw ? PyObject_CallFunctionObjArgs(hook, c->module, c->args, c->kwargs, NULL)
                            : PyObject_CallFunctionObjArgs(hook, c->module, c->args, NULL);
-        Py_DECREF(key);
-        Py_DECREF(hook);
         if (r == NULL) {
             goto done;
         }
@@ -406,11 +403,9 @@ run_forward_hooks(HookCall *c)
         if (kw < 0) {
             goto done;
         }
-        Py_INCREF(hook);
         PyObject *r = kw ? PyObject_CallFunctionObjArgs(hook, c->module, c->args, c->kwargs,
                                                         c->result, NULL)
                          : PyObject_CallFunctionObjArgs(hook, c->module, c->args, c->result, NULL);
-        Py_DECREF(hook);
         if (r == NULL) {
             goto done;
         }
@@ -462,12 +457,10 @@ run_always_called(HookCall *c)
             if (!always || done_already) {
                 continue;
             }
-            Py_INCREF(hook);
             PyObject *r = kw ? PyObject_CallFunctionObjArgs(hook, c->module, c->args, c->kwargs,
                                                             c->result, NULL)
                              : PyObject_CallFunctionObjArgs(hook, c->module, c->args, c->result,
                                                             NULL);
-            Py_DECREF(hook);
             if (r != NULL) {
                 if (r != Py_None) {
                     Py_SETREF(c->result, r);
