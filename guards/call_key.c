@@ -679,7 +679,10 @@ int
 call_key_build(CallKey *key, PyObject *const *values, Py_ssize_t n)
 {
     if (tensor_class == NULL) {
-        tensor_class = nns_tensor_class();
+        PyTypeObject *parameter;
+        if (!nns_tensor_classes(&tensor_class, &parameter)) {
+            tensor_class = NULL;   /* torch._C not initialised yet: asked again next time */
+        }
     }
     int grad_on = nns_grad_mode();
     if (grad_on < 0) {   /* built without torch's headers */

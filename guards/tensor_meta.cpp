@@ -22,16 +22,6 @@ nns_grad_mode(void)
 #endif
 }
 
-extern "C" PyTypeObject *
-nns_tensor_class(void)
-{
-#ifdef NNS_NO_TORCH_HEADERS
-    return nullptr;
-#else
-    return reinterpret_cast<PyTypeObject *>(THPVariableClass);
-#endif
-}
-
 #ifndef NNS_NO_TORCH_HEADERS
 /* Tensors of up to kShortDims dimensions have their sizes and strides copied as
  * fixed blocks of kShortDims words each.  Only where both arrays are the

@@ -38,12 +38,8 @@ typedef struct {
 #define NNS_TENSOR_RECORD_MAX (16 + 2 * 8 * NNS_TENSOR_META_MAX_DIM)
 size_t nns_tensor_record(PyObject *obj, unsigned char *out);
 /* The same for an `obj` whose type the caller found to be exactly torch.Tensor or
- * nn.Parameter (nns_tensor_class, nns_tensor_classes). */
+ * nn.Parameter (nns_tensor_classes). */
 size_t nns_tensor_record_exact(PyObject *obj, unsigned char *out);
-
-/* torch.Tensor (THPVariableClass, which torch keeps for the life of the process) once
- * torch._C has initialised, else NULL.  Never raises. */
-PyTypeObject *nns_tensor_class(void);
 
 /* torch's grad mode on this thread (at::GradMode): 1 or 0, or -1 when this build
  * has no torch headers (the caller asks torch.is_grad_enabled()).  Runs no Python,
