@@ -307,26 +307,25 @@ def takes_eval_fast_path(module: Any) -> bool:
     return isinstance(module, _EVAL_FAST_PATHS) and module.__dict__.get("training") is False
 
 
-def runs_opaque(module: nn.Module) -> bool:
-    """Is a call of `module` one opaque node, run for real, rather than inlined?"""
+def _opaque_but_for_hooks(module: nn.Module) -> bool:
+    """The reasons other than hooks for a call of `module` to be one opaque node."""
     return (
-        _has_call_hooks(module)
-        or getattr(module, "_compiled_call_impl", None) is not None
+        getattr(module, "_compiled_call_impl", None) is not None
         or isinstance(module, torch.jit.ScriptModule)  # its ops run in C++, unseen
         # reading `training` here specialises the capture on it (a guard)
         or (isinstance(module, _EVAL_FAST_PATHS) and not module.training)
     )
 
 
+def runs_opaque(module: nn.Module) -> bool:
+    """Is a call of `module` one opaque node, run for real, rather than inlined?"""
+    return _has_call_hooks(module) or _opaque_but_for_hooks(module)
+
+
 def opaque_for_hooks_only(module: nn.Module) -> bool:
     """Is `module` an opaque node only because it has hooks (its forward a target of
     its own, nothing else of runs_opaque's)?"""
-    return (
-        _has_call_hooks(module)
-        and getattr(module, "_compiled_call_impl", None) is None
-        and not isinstance(module, torch.jit.ScriptModule)
-        and not (isinstance(module, _EVAL_FAST_PATHS) and not module.training)
-    )
+    return _has_call_hooks(module) and not _opaque_but_for_hooks(module)
 
 
 def tensorless_result(func: Any, kind: str, target: Any, result: Any) -> tuple[str, str]:
