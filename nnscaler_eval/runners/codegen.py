@@ -656,7 +656,6 @@ class _RunnerWriter:
                 or node.meta.get("nnscaler_source") != user.meta.get("nnscaler_source")
                 or user.target in _NOT_INLINED_INTO
                 or direct_calls.lower(user, self.trusted) is not None
-                or node.target in _NOT_INLINED_INTO
             ):
                 continue
             level = depth.get(node, 0) + 1
