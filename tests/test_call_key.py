@@ -570,10 +570,12 @@ def test_many_positional_tensors_hit_and_match_eager(n):
         assert torch.equal(compiled(*args), eager.forward(*args))
 
 
-def test_a_key_built_inside_a_key_past_the_linear_scan():
-    """A subclass's getter, met at the 10th tensor (the hashed alias set in use), calls
-    another compiled function of twelve inputs with aliases of its own: each key keeps
-    its own set, both calls stay correct and hit."""
+@pytest.mark.parametrize("at", [1, 4, 9])   # the linear scan, the set's start, the set
+def test_a_key_built_inside_a_key_past_the_linear_scan(at):
+    """A subclass's getter, met at tensor `at` (compared one by one, the alias set
+    being made, or in use), calls another compiled function of twelve inputs with
+    aliases of its own: each key keeps its own set, both calls stay correct and
+    hit."""
     inner = nnscaler.compile(_sum12_other)
     ones = [torch.full((3,), float(i)) for i in range(11)]
     inner_args = ones + [ones[9]]
@@ -588,7 +590,7 @@ def test_a_key_built_inside_a_key_past_the_linear_scan():
     outer = nnscaler.compile(_sum12)
     xs = [torch.full((3,), float(i)) for i in range(9)]
     special = torch.full((3,), 10.0).as_subclass(Reentrant)
-    args = xs + [special, xs[2], special]
+    args = xs[:at] + [special] + xs[at:] + [xs[2], special]
     want = _sum12(*[a.as_subclass(torch.Tensor) for a in args])
     for _ in range(4):
         assert torch.equal(outer(*args).as_subclass(torch.Tensor), want)

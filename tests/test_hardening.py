@@ -130,6 +130,75 @@ def test_reset_while_reading_training_flags():
     assert out.stdout.strip().endswith("ok")
 
 
+MANY_ARGS_MEDDLING = r"""
+import gc, torch, nnscaler
+
+N = 70   # past the 64 slots a frameless hit keeps on the C stack: a PyMem block
+names = ", ".join(f"x{i}" for i in range(N))
+ns = {}
+exec(f"def doubled(self, {names}):\n"
+     f"    s = sum(({names},))\n"
+     f"    return s * 2 if self.training else s + 1\n"
+     f"def tripled(self, {names}):\n"
+     f"    return sum(({names},)) * 3\n", ns)
+ran = []
+
+class Meddling(torch.nn.Module):
+    # Writing `pending` moves a dict the entry guards, so a hit checks every guard,
+    # the training flag among them: the property runs inside the frameless hit,
+    # takes its action out again (the guards then hold) and does it.
+    pending = {}
+    forward = ns["doubled"]
+
+    @property
+    def training(self):
+        action = Meddling.pending.pop("do", None)
+        if action is not None:
+            ran.append(action)
+        if action == "reset":
+            nnscaler.reset()
+            gc.collect()
+        elif action == "reenter":      # the same compiled call, nested, many slots too
+            assert torch.equal(M(*XS), sum(XS) * 2)
+        elif action == "uncompile":    # the call's wrapper and the class's forward go
+            self.__dict__.pop("_compiled_call_impl", None)
+            type(self).forward = ns["tripled"]
+            gc.collect()
+        return self.__dict__.get("_t", True)
+
+    @training.setter
+    def training(self, value):
+        self.__dict__["_t"] = value
+
+M = nnscaler.compile(Meddling())
+XS = [torch.full((3,), float(i)) for i in range(N)]
+for _ in range(3):
+    assert torch.equal(M(*XS), sum(XS) * 2)
+assert nnscaler.cache_info(M).hits == 2          # frameless hits
+for action in ("reset", None, None, "reenter", None, "reenter", None):
+    if action is not None:
+        Meddling.pending["do"] = action
+    assert torch.equal(M(*XS), sum(XS) * 2), action
+assert ran == ["reset", "reenter", "reenter"], ran
+Meddling.pending["do"] = "uncompile"
+got = M(*XS)     # the graph's answer, or eager's with the new forward
+assert torch.equal(got, sum(XS) * 2) or torch.equal(got, sum(XS) * 3), got
+assert ran[-1] == "uncompile"
+for _ in range(3):
+    assert torch.equal(M(*XS), sum(XS) * 3)
+print("ok")
+"""
+
+
+def test_python_in_the_middle_of_a_frameless_hit_with_many_arguments():
+    """A frameless hit of 70 tensors (its slots in a PyMem block) whose guard check
+    runs Python: reset() and a collection, the same compiled call nested, the
+    compiled call removed and the class's forward replaced.  Every answer is the
+    graph's or eager's, the block is freed on every path (`make asan` runs this)."""
+    out = run_script(MANY_ARGS_MEDDLING)
+    assert out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
 # ------------------------------------------------ 2. the rewrite-mode sentinel
 
 DROPPED_TOKEN_IN_CAPTURE = r"""
