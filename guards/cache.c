@@ -41,6 +41,7 @@ entry_clear(CacheEntry *self)
     Py_CLEAR(self->info);
     self->n_weak_pins = 0;   /* borrowed from pins */
     Py_CLEAR(self->pins);
+    self->n_owners = self->n_held_owners = 0;   /* borrowed from the guards */
 #ifdef NNS_DICT_TAGS_MONOTONIC
     self->n_tagged = 0;   /* the guards released their dicts */
 #endif
@@ -98,20 +99,29 @@ PyDoc_STRVAR(entry_doc,
 "guards: flag, then value guards.");
 
 #ifdef NNS_DICT_TAGS_MONOTONIC
-/* The sum of the versions at which the VG_DICT guards of `entry` last held: what
- * dicts_unchanged_311 compares with.  Any sum of versions each guard once held at
- * would do (an equal sum then means every dict is at that version, so at the
- * guard's own, which lies between it and the dict's); this one is exact. */
-static nns_tag_sum
-validated_tag_sum(const CacheEntry *entry)
+/* Adds the version at which VG_DICT `guard` last held to the sum of its kind: dicts
+ * held directly, or reached through an owner. */
+static inline void
+add_validated_version(const ValueGuard *guard, nns_tag_sum *held, nns_tag_sum *owned)
 {
-    nns_tag_sum sum = {0, 0};
+    nns_tag_sum_add(guard->owner_type != NULL ? owned : held, guard->version);
+}
+
+/* The sums of the versions at which the VG_DICT guards of `entry` last held: what
+ * dicts_unchanged_311 compares with.  Any sums of versions each guard once held at
+ * would do (an equal sum then means every dict is at that version, so at the
+ * guard's own, which lies between it and the dict's); these are exact. */
+static void
+set_validated_tag_sums(CacheEntry *entry)
+{
+    nns_tag_sum held = {0, 0}, owned = {0, 0};
     for (Py_ssize_t i = 0; i < entry->n_values; i++) {
         if (entry->values[i].kind == VG_DICT) {
-            nns_tag_sum_add(&sum, entry->values[i].version);
+            add_validated_version(&entry->values[i], &held, &owned);
         }
     }
-    return sum;
+    entry->tag_sum_held = held;
+    entry->tag_sum_owned = owned;
 }
 
 /* 1 when the VG_DICT `guard` holds as it last did, by its version: its owner (if
@@ -132,28 +142,20 @@ dict_guard_unmoved(const ValueGuard *guard)
     return nns_dict_version(guard->dict) == guard->version;
 }
 
-/* 1 when every VG_DICT guard of `entry` holds as it last did, from one sum of version
- * tags (compat_objects.h, NNS_DICT_TAGS_MONOTONIC): for each dict reached through its
- * owner, what no version shows first (the owner lives, has its class, still has that
- * dict as its __dict__: then the dict is alive and may be read), then a load and an
- * add per dict.  0 when not all may hold: the caller checks each guard as before,
- * which finds which one and why (and re-validates a dict that moved).  Runs no
- * Python, never raises. */
+/* 1 when every VG_DICT guard of `entry` holds as it last did, from two sums of
+ * version tags (compat_objects.h, NNS_DICT_TAGS_MONOTONIC): first the dicts held
+ * directly, a load and an add each; equal, none of them changed since their guards
+ * held, so the owners they hold are alive and the same (OwnerCheck.held).  Then for
+ * each dict reached through its owner what no version shows (the owner lives, has
+ * its class, still has that dict as its __dict__: then the dict is alive and may be
+ * read), and its version.  0 when not all may hold: the caller checks each guard as
+ * before, which finds which one and why (and re-validates a dict that moved).  Runs
+ * no Python, never raises. */
 static inline int
 dicts_unchanged_311(const CacheEntry *entry)
 {
-    nns_tag_sum sum = {0, 0};
-    const OwnerCheck *o = entry->owners;
-    for (const OwnerCheck *const end = o + entry->n_owners; o < end; o++) {
-        /* A dead owner reads as None, whose class is not the owner's (NoneType has
-         * no instance __dict__ to guard): the class test covers it. */
-        PyObject *owner = nns_weakref_object(o->ref);
-        if (Py_TYPE(owner) != o->type || nns_object_dict_at(owner, o->offset) != o->dict) {
-            return 0;
-        }
-        nns_tag_sum_add(&sum, nns_dict_version(o->dict));
-    }
     /* The dicts held directly (alive: their guards own them), unrolled by four. */
+    nns_tag_sum sum = {0, 0};
     PyObject *const *tagged = entry->tagged;
     const Py_ssize_t n = entry->n_tagged;
     Py_ssize_t i = 0;
@@ -166,9 +168,98 @@ dicts_unchanged_311(const CacheEntry *entry)
     for (; i < n; i++) {
         nns_tag_sum_add(&sum, nns_dict_version(tagged[i]));
     }
-    return nns_tag_sum_equal(sum, entry->tag_sum);
+    if (!nns_tag_sum_equal(sum, entry->tag_sum_held)) {
+        return 0;
+    }
+    nns_tag_sum owned = {0, 0};
+    const OwnerCheck *o = entry->owners;
+    const OwnerCheck *const held_end = o + entry->n_held_owners;
+    for (; o < held_end; o++) {
+        if (Py_TYPE(o->held) != o->type || nns_object_dict_at(o->held, o->offset) != o->dict) {
+            return 0;
+        }
+        nns_tag_sum_add(&owned, nns_dict_version(o->dict));
+    }
+    for (const OwnerCheck *const end = entry->owners + entry->n_owners; o < end; o++) {
+        /* A dead owner reads as None, whose class is not the owner's (NoneType has
+         * no instance __dict__ to guard): the class test covers it. */
+        PyObject *owner = nns_weakref_object(o->ref);
+        if (Py_TYPE(owner) != o->type || nns_object_dict_at(owner, o->offset) != o->dict) {
+            return 0;
+        }
+        nns_tag_sum_add(&owned, nns_dict_version(o->dict));
+    }
+    return nns_tag_sum_equal(owned, entry->tag_sum_owned);
 }
 #endif
+
+static int
+compare_addresses(const void *a, const void *b)
+{
+    const uintptr_t x = (uintptr_t)*(PyObject *const *)a, y = (uintptr_t)*(PyObject *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sets OwnerCheck.held for every owner that a VG_DICT guard of `self` on a dict it
+ * holds directly expects as one of its values (a child module in its parent's
+ * `_modules`), and moves those owners to the front (n_held_owners).  The root module
+ * of a capture, held by nothing the entry guards, keeps its weakref.  0, or -1 with
+ * MemoryError set. */
+static int
+find_held_owners(CacheEntry *self)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < self->n_values; i++) {
+        const ValueGuard *guard = &self->values[i];
+        if (guard->kind == VG_DICT && guard->target == guard->dict) {
+            n += PyTuple_GET_SIZE(guard->expected);
+        }
+    }
+    if (n == 0 || self->n_owners == 0) {
+        return 0;
+    }
+    PyObject **values = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+    OwnerCheck *rest = PyMem_Malloc((size_t)self->n_owners * sizeof(OwnerCheck));
+    if (values == NULL || rest == NULL) {
+        PyMem_Free(values);
+        PyMem_Free(rest);
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < self->n_values; i++) {
+        ValueGuard *guard = &self->values[i];
+        if (guard->kind == VG_DICT && guard->target == guard->dict) {
+            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(guard->expected); k++) {
+                PyObject *value = value_guard_expected(guard, k);
+                if (value != NULL && value != guard->missing) {
+                    values[m++] = value;
+                }
+            }
+        }
+    }
+    qsort(values, (size_t)m, sizeof(PyObject *), compare_addresses);
+    /* stable partition: held owners first, each part in guard order */
+    Py_ssize_t n_held = 0, n_rest = 0;
+    for (Py_ssize_t k = 0; k < self->n_owners; k++) {
+        OwnerCheck o = self->owners[k];
+        PyObject *owner = nns_weakref_object(o.ref);
+        o.held = owner != Py_None &&
+                 bsearch(&owner, values, (size_t)m, sizeof(PyObject *), compare_addresses) != NULL
+                 ? owner : NULL;
+        if (o.held != NULL) {
+            self->owners[n_held++] = o;
+        }
+        else {
+            rest[n_rest++] = o;
+        }
+    }
+    memcpy(self->owners + n_held, rest, (size_t)n_rest * sizeof(OwnerCheck));
+    self->n_held_owners = n_held;
+    PyMem_Free(values);
+    PyMem_Free(rest);
+    return 0;
+}
 
 static PyObject *
 entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -259,7 +350,7 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         ValueGuard *guard = &self->values[i];
         if (guard->kind == VG_DICT && guard->owner_type != NULL) {
             self->owners[self->n_owners++] = (OwnerCheck){
-                guard->target, guard->owner_type, guard->dict, guard->dict_offset, i};
+                NULL, guard->target, guard->owner_type, guard->dict, guard->dict_offset, i};
         }
         else if (guard->kind == VG_DICT && guard->target == guard->dict) {
 #ifdef NNS_DICT_TAGS_MONOTONIC
@@ -270,8 +361,11 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             self->unclocked[self->n_unclocked++] = i;
         }
     }
+    if (find_held_owners(self) < 0) {
+        goto error;
+    }
 #ifdef NNS_DICT_TAGS_MONOTONIC
-    self->tag_sum = validated_tag_sum(self);
+    set_validated_tag_sums(self);
 #endif
     if ((self->guard_names = PySequence_Tuple(guard_names)) == NULL) {
         goto error;
@@ -405,7 +499,7 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
     /* A dict moved (or an owner changed): every guard in its order, as before, a dict
      * still at its guard's version held inline; the sum of the versions they hold at
      * is the next one to compare with (a guard's version only grows). */
-    nns_tag_sum held = {0, 0};
+    nns_tag_sum held = {0, 0}, owned = {0, 0};
     for (Py_ssize_t i = 0; i < entry->n_values; i++) {
         ValueGuard *guard = &entry->values[i];
         if (guard->kind != VG_DICT || !dict_guard_unmoved(guard)) {
@@ -416,10 +510,11 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             }
         }
         if (guard->kind == VG_DICT) {
-            nns_tag_sum_add(&held, guard->version);
+            add_validated_version(guard, &held, &owned);
         }
     }
-    entry->tag_sum = held;
+    entry->tag_sum_held = held;
+    entry->tag_sum_owned = owned;
     return 1;
 #else
     /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
@@ -428,8 +523,17 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
      * `obj.__dict__ = ...`: the floor of a sound check, a few loads per owner); then
      * lists, cells, functions, tensors and global state. */
     if (dicts_unchanged) {
-        for (Py_ssize_t k = 0; k < entry->n_owners; k++) {
-            const OwnerCheck *o = &entry->owners[k];
+        /* Owners a held dict holds: alive while it is unchanged, as the clock says. */
+        const OwnerCheck *o = entry->owners;
+        for (const OwnerCheck *const end = o + entry->n_held_owners; o < end; o++) {
+            if (Py_TYPE(o->held) != o->type ||
+                nns_object_dict_at(o->held, o->offset) != o->dict) {
+                *failed = base + o->index;
+                return 0;
+            }
+        }
+        for (Py_ssize_t k = entry->n_held_owners; k < entry->n_owners; k++) {
+            o = &entry->owners[k];
             PyObject *owner = nns_weakref_object(o->ref);
             if (owner == Py_None) {
                 *failed = base + o->index;
@@ -496,6 +600,12 @@ static PyObject *
 entry_get_n_guards(CacheEntry *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromSsize_t(self->n_flags + self->n_values);
+}
+
+static PyObject *
+entry_get_n_held_owners(CacheEntry *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->n_held_owners);
 }
 
 static PyObject *
@@ -726,6 +836,9 @@ static PyGetSetDef entry_getset[] = {
     {"runner", (getter)entry_get_runner, NULL, "the callable run on a hit, or None", NULL},
     {"key_hash", (getter)entry_get_key_hash, NULL, "XXH3 hash of the call key", NULL},
     {"n_state_guards", (getter)entry_get_n_guards, NULL, "number of state guards", NULL},
+    {"n_held_owners", (getter)entry_get_n_held_owners, NULL,
+     "owners of guarded __dict__s that a dict the entry guards holds (read without "
+     "their weakrefs while it is unchanged)", NULL},
     {"shape_guards", (getter)entry_get_shape_guards, NULL,
      "(wild, code) of a dynamic entry, or None", NULL},
     {"key_description", (getter)entry_get_key_description, NULL,

@@ -26,8 +26,16 @@
 /* An owner-reached VG_DICT (values[index]) laid out for the hit path while the dict
  * clock has not moved: what the clock cannot vouch for, in a few loads (the owner is
  * alive, has its class, and still has the guarded dict as its __dict__).  Borrowed
- * from the guard, which owns them. */
+ * from the guard, which owns them.
+ *
+ * `held`: the owner itself, when a dict this entry holds directly and guards holds it
+ * (a child module under its parent's `_modules`).  While that dict is unchanged it
+ * still holds the owner, so the owner is alive and the same object: the hit path
+ * reads it here instead of through its weakref.  Only where the entry's dicts are
+ * known unchanged first (the clock on 3.12+, the held dicts' sum on 3.11); never
+ * dereferenced otherwise.  NULL for any other owner (the root module). */
 typedef struct {
+    PyObject *held;            /* borrowed, see above, or NULL */
     PyObject *ref;             /* the guard's weakref to the owner */
     PyTypeObject *type;        /* the owner's class when guarded */
     PyObject *dict;            /* compared by address only */
@@ -51,7 +59,9 @@ typedef struct {
     Py_ssize_t *unclocked;     /* PyMem: indices of the value guards the dict clock
                                   cannot vouch for, other than the owners' dicts */
     Py_ssize_t n_owners;
-    OwnerCheck *owners;        /* PyMem: the owner-reached VG_DICTs */
+    OwnerCheck *owners;        /* PyMem: the owner-reached VG_DICTs, those with `held`
+                                  first (n_held_owners of them), then in guard order */
+    Py_ssize_t n_held_owners;
     PyObject *guard_names;     /* owned tuple of str: flag, then value guards */
     PyObject *info;            /* owned: the Python-side description (explain) */
     unsigned char *key;        /* PyMem block, the stored call key */
@@ -74,11 +84,15 @@ typedef struct {
     /* 3.11 (no clock): every VG_DICT is checked by one sum of version tags
      * (compat_objects.h, NNS_DICT_TAGS_MONOTONIC): the owners' dicts after their
      * OwnerCheck, and these, the dicts held directly (addresses; the guards own them),
-     * packed for a tight loop.  tag_sum: the sum of every VG_DICT guard's `version`
-     * (the versions its values were validated at), recomputed after a full check. */
+     * packed for a tight loop.  tag_sum_held / tag_sum_owned: the sums of the
+     * `version`s (those its values were validated at) of the VG_DICT guards on dicts
+     * held directly / reached through an owner, recomputed after a full check.  The
+     * held dicts are summed and compared first: equal, they are unchanged, and so the
+     * owners they hold are alive (OwnerCheck.held). */
     Py_ssize_t n_tagged;
     PyObject **tagged;         /* PyMem */
-    nns_tag_sum tag_sum;
+    nns_tag_sum tag_sum_held;
+    nns_tag_sum tag_sum_owned;
 #endif
 } CacheEntry;
 

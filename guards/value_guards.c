@@ -118,6 +118,12 @@ expected_item(ValueGuard *guard, Py_ssize_t i)
     return item;
 }
 
+PyObject *
+value_guard_expected(ValueGuard *guard, Py_ssize_t i)
+{
+    return expected_item(guard, i);
+}
+
 static int
 spec_error(Py_ssize_t size, const char *kind, const char *what)
 {

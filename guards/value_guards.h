@@ -118,6 +118,10 @@ void value_guard_clear(ValueGuard *guard);
 
 int value_guard_traverse(ValueGuard *guard, visitproc visit, void *arg);
 
+/* Expected item `i` (0 <= i < len(expected)), borrowed; NULL when it was held weakly
+ * and died.  Runs no Python, never raises. */
+PyObject *value_guard_expected(ValueGuard *guard, Py_ssize_t i);
+
 /* 1 when the guard holds, 0 when it does not, -1 when it can never hold again (a
  * weakly held tensor died, or the guard fails and one of its weakly held expected
  * values died: nothing alive can be that object).  Never leaves an exception set.

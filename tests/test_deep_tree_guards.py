@@ -227,6 +227,7 @@ def test_owner_checks_come_before_the_dict_is_read(change):
     for o in owners:
         o.a = 1
     e = _entry([{"k": 0}] * 5, owners)
+    assert e.n_held_owners == 0   # held by nothing guarded: read through weakrefs
     assert e.check_verbose() is None
     if change == "dict replaced":
         owners[3].__dict__ = {"a": 1}    # the same contents, another dict
@@ -241,3 +242,89 @@ def test_owner_checks_come_before_the_dict_is_read(change):
         owners[3] = None
         gc.collect()
         assert e.check_verbose() == "owner 3"
+
+
+# ---- owners a guarded dict holds (a child under its parent's `_modules`) ----
+
+def _held_entry(n):
+    """n owners, each the value of a dict the entry guards directly (its "holder"),
+    then the owners' __dict__ guards: the hit path reads these owners without their
+    weakrefs while the holders are unchanged (cache.h, OwnerCheck.held)."""
+    owners = [Owner() for _ in range(n)]
+    for i, o in enumerate(owners):
+        o.a = i
+    holder = {f"m{i}": o for i, o in enumerate(owners)}
+    return owners, holder, _entry([holder], owners)
+
+
+HELD_CHANGES = ["replaced in the holder", "deleted from the holder", "class changed",
+                "__dict__ replaced", "its dict written", "holder written back"]
+
+
+@pytest.mark.parametrize("change", HELD_CHANGES)
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_an_owner_a_guarded_dict_holds(change, at):
+    """An owner read without its weakref must still fail every way it can: taken out
+    of its holder and freed (its memory reused by an object of the same class with a
+    dict at the same place, as far as the allocator allows), its class or __dict__
+    replaced, its dict written; and a holder written back to the same owners holds."""
+    class Other(Owner):
+        pass
+
+    owners, holder, e = _held_entry(5)
+    assert e.n_held_owners == 5
+    assert e.check_verbose() is None
+    assert e.check_verbose() is None   # the second check is the one the clock vouches
+    key = f"m{at}"
+    if change in ("replaced in the holder", "deleted from the holder"):
+        if change == "replaced in the holder":
+            holder[key] = Owner()
+        else:
+            del holder[key]
+        owners[at] = None
+        gc.collect()
+        reused = [Owner() for _ in range(64)]   # likely to take the freed memory
+        for o in reused:
+            o.a = at
+        assert e.check_verbose() == "dict 0"
+        assert e.check_verbose() == "dict 0"   # and stays failed: the owner is dead
+    elif change == "class changed":
+        owners[at].__class__ = Other
+        assert e.check_verbose() == f"owner {at}"
+        owners[at].__class__ = Owner
+        assert e.check_verbose() is None
+    elif change == "__dict__ replaced":
+        owners[at].__dict__ = {"a": at}
+        gc.collect()
+        assert e.check_verbose() == f"owner {at}"
+    elif change == "its dict written":
+        owners[at].a = -1
+        assert e.check_verbose() == f"owner {at}"
+        owners[at].a = at
+        assert e.check_verbose() is None
+    else:
+        holder[key] = owners[at]           # moved, same owner: re-validated, holds
+        assert e.check_verbose() is None
+        owners[at].__class__ = Other       # then read through the holder again
+        assert e.check_verbose() == f"owner {at}"
+
+
+def test_children_removed_from_a_compiled_tree_and_freed():
+    """The module-level case: blocks taken out of their ModuleList (no __setattr__),
+    freed, and new blocks of the same class made in their place, more than once."""
+    torch.manual_seed(0)
+    m = nnscaler.compile(Deep())
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for round_ in range(3):
+            m(x)
+            m(x)
+            (entry,) = [e for b in _C.code_state(Deep.forward.__code__)["buckets"]
+                        if b.self is m for e in b.entries][:1]
+            # every block, its lin and act, and the list: held by `_modules` dicts
+            assert entry.n_held_owners == 3 * DEPTH + 1
+            for i in range(DEPTH):
+                m.blocks._modules[str(i)] = Block()
+                m.blocks[i].scale = float(round_ + i)
+            gc.collect()
+            torch.testing.assert_close(m(x), _eager(m, x))
