@@ -59,6 +59,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
         }
     }
     memcpy(args, slots, sizeof(PyObject *) * (size_t)n);
+    const uint64_t clock = nns_dict_clock();
     for (Py_ssize_t i = 0; i < nflags; i++) {
         /* The guards saw every module alive, but reading an earlier flag may have
          * run Python that dropped this one: held across its own read. */
@@ -68,7 +69,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
             goto done;
         }
         Py_INCREF(module);
-        PyObject *flag = cache_read_training(module);   /* borrowed Py_True/Py_False */
+        PyObject *flag = cache_entry_flag(entry, i, module, clock);   /* borrowed Py_True/Py_False */
         Py_DECREF(module);
         if (flag == NULL) {
             goto done;

@@ -59,6 +59,7 @@ entry_dealloc(CacheEntry *self)
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
     PyMem_Free(self->owners);
+    PyMem_Free(self->flag_reads);
     PyMem_Free(self->weak_pins);
 #ifdef NNS_DICT_TAGS_MONOTONIC
     PyMem_Free(self->tagged);
@@ -290,6 +291,12 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if ((self->training_refs = weakref_tuple(training_modules, "training_modules must be a sequence")) == NULL) {
         goto error;
     }
+    self->flag_reads = PyMem_Calloc((size_t)PyTuple_GET_SIZE(self->training_refs) + 1,
+                                    sizeof(FlagRead));
+    if (self->flag_reads == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
     if ((flags_seq = PySequence_Fast(flag_guards, "flag_guards must be a sequence")) == NULL) {
         goto error;
     }
@@ -422,6 +429,31 @@ cache_read_training(PyObject *module)
 {
     PyObject *from_dict;
     return read_training(module, &from_dict);
+}
+
+PyObject *
+cache_entry_flag_read(FlagRead *r, PyObject *module)
+{
+    PyTypeObject *type = Py_TYPE(module);
+    r->tag = 0;
+    PyObject *from_dict;
+    PyObject *flag = read_training(module, &from_dict);
+    if (flag == NULL || from_dict == NULL || type->tp_version_tag == 0 || Py_TYPE(module) != type) {
+        return flag;
+    }
+#ifdef NNS_PY311
+    const uint64_t version = nns_dict_version(from_dict);
+#else
+    /* Watching a dict moves the clock: the clock after it is the one that stays
+     * while this dict (and every other watched one) is unchanged. */
+    if (!nns_dict_watched(from_dict)) {
+        return flag;
+    }
+    const uint64_t version = nns_dict_clock();
+#endif
+    *r = (FlagRead){type, type->tp_version_tag, nns_object_dict_offset(module), from_dict,
+                    version, flag};
+    return flag;
 }
 
 /* The flag reads as it did when the entry last held at the current dict clock: the

@@ -43,10 +43,25 @@ typedef struct {
     Py_ssize_t index;          /* in values */
 } OwnerCheck;
 
+/* The last read of one flag passed to the runner (training_refs[i]) that came from
+ * the module's own instance __dict__: while the module has the same class, unchanged
+ * (its version tag), and the same __dict__, unchanged since (3.11: its version; 3.12+:
+ * the dict clock, the dict being watched), `training` reads `value` again, with no
+ * lookup.  All addresses, compared only; `tag` 0 means "read it". */
+typedef struct {
+    PyTypeObject *type;
+    unsigned int tag;          /* type->tp_version_tag at the read */
+    Py_ssize_t offset;         /* nns_object_dict_offset of the module, or 0 */
+    PyObject *dict;
+    uint64_t version;          /* 3.11: the dict's version; 3.12+: nns_dict_clock() */
+    PyObject *value;           /* Py_True or Py_False */
+} FlagRead;
+
 typedef struct {
     PyObject_HEAD
     PyObject *runner;          /* owned callable, or NULL: run the frame eagerly */
     PyObject *training_refs;   /* owned tuple of weakrefs: flags passed to the runner */
+    FlagRead *flag_reads;      /* PyMem, one per training_refs item */
     Py_ssize_t n_flags;
     PyObject **flag_refs;      /* owned weakrefs to modules */
     char *flag_values;
@@ -170,5 +185,39 @@ PyObject *cache_describe_call_key(PyObject *module, PyObject *const *args, Py_ss
  * `training` property or `__getattr__` on the module's class, `__bool__` of what it
  * returns. */
 PyObject *cache_read_training(PyObject *module);
+
+/* cache_entry_flag when the last read cannot be reused: reads the flag
+ * (cache_read_training) and remembers it in `r` where it came from the module's
+ * own __dict__. */
+PyObject *cache_entry_flag_read(FlagRead *r, PyObject *module);
+
+/* The training flag of `module` (alive, training_refs[i] of `entry`) for the runner:
+ * the last read's value while nothing it came from changed (FlagRead), else read
+ * again and remembered.  `clock` is nns_dict_clock() read before the first flag of
+ * this call.  Same result and errors as cache_read_training.  Inline: a hit passes
+ * one per module whose flag feeds the graph. */
+static inline PyObject *
+cache_entry_flag(CacheEntry *entry, Py_ssize_t i, PyObject *module, uint64_t clock)
+{
+#ifdef NNS_PY311
+    (void)clock;   /* 3.11 compares each dict's own version */
+#endif
+    FlagRead *r = &entry->flag_reads[i];
+    PyTypeObject *type = Py_TYPE(module);
+    /* Same class, not modified since (tags are never reused; 0 is "none"), so a
+     * `training` property or __getattribute__ is no more there than it was; the
+     * same __dict__, so it is alive and may be read; unchanged since the read. */
+    if (type == r->type && r->tag != 0 && type->tp_version_tag == r->tag &&
+        nns_object_dict_at(module, r->offset) == r->dict &&
+#ifdef NNS_PY311
+        nns_dict_version(r->dict) == r->version
+#else
+        clock != 0 && clock == r->version
+#endif
+        ) {
+        return r->value;
+    }
+    return cache_entry_flag_read(r, module);
+}
 
 #endif

@@ -629,6 +629,73 @@ def test_training_property_added_after_hits_is_honoured(where):
     check(m, lambda x: x * 2 + 1, x)
 
 
+class _ModeAnswersTrue(_Mode):
+    training = property(lambda self: True, lambda self, value: None)
+
+
+class _ModeSameAnswer(_Mode):
+    pass
+
+
+_KEPT: list = []
+
+
+def _flag_change(change, inner):
+    if change == "class with a property":
+        inner.__class__ = _ModeAnswersTrue
+    elif change == "class without one":
+        inner.__class__ = _ModeSameAnswer
+        inner.__dict__["training"] = False
+    elif change == "value moved to the class":
+        type(inner).training = False           # not read while the instance has one
+        del inner.__dict__["training"]         # now it is
+    elif change == "dict replaced, old kept":
+        _KEPT.append(inner.__dict__)           # alive and unchanged: no dict event
+        inner.__dict__ = dict(inner.__dict__, training=False)
+    elif change == "flag written through object.__setattr__":
+        object.__setattr__(inner, "training", False)
+    elif change == "flag toggled and back, then written":
+        inner.training = False
+        inner.training = True
+        inner.__dict__["training"] = False
+
+
+FLAG_CHANGES = ["class with a property", "class without one", "value moved to the class",
+                "dict replaced, old kept", "flag written through object.__setattr__",
+                "flag toggled and back, then written"]
+
+
+@pytest.mark.parametrize("change", FLAG_CHANGES)
+def test_a_flag_passed_to_the_graph_is_read_again_when_its_source_changes(change):
+    """The runner's flags (a training flag the graph takes as an input) are read
+    once and then remembered while the module's class, __dict__ and that dict's
+    version (3.11) or the dict clock (3.12+) stand (cache.h, FlagRead): every way the
+    flag can change after hits must give eager's answer, whether the class, the
+    instance dict, or where `training` comes from changed."""
+    class Mode(_Mode):
+        pass
+
+    class Holds(_HoldsMode):
+        def __init__(self):
+            super().__init__()
+            self.inner = Mode()
+
+    m = nnscaler.compile(Holds())
+    ref = copy.deepcopy(m)
+    x = torch.randn(3)
+    for _ in range(3):
+        _hits_twice(m, ref, x)
+    _flag_change(change, m.inner)
+    _flag_change(change, ref.inner)
+    assert m.inner.training is ref.inner.training
+    for _ in range(2):
+        _hits_twice(m, ref, x)
+    if change != "value moved to the class":
+        m.inner.training = not m.inner.training   # and once more, through setattr
+        ref.inner.training = not ref.inner.training
+        _hits_twice(m, ref, x)
+
+
 def test_a_flag_module_that_dies_is_never_vouched_for():
     # The entry holds the flag's module weakly; once it dies (its parent dropped it
     # and replaced it), a hit must not take the old decision for the new module.
