@@ -62,15 +62,14 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
     const uint64_t clock = nns_dict_clock();
     for (Py_ssize_t i = 0; i < nflags; i++) {
         /* The guards saw every module alive, but reading an earlier flag may have
-         * run Python that dropped this one: held across its own read. */
+         * run Python that dropped this one (cache_flag holds it across a read that
+         * may run Python). */
         PyObject *module = nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i));
         if (module == Py_None) {
             *stale = 1;
             goto done;
         }
-        Py_INCREF(module);
-        PyObject *flag = cache_entry_flag(entry, i, module, clock);   /* borrowed Py_True/Py_False */
-        Py_DECREF(module);
+        PyObject *flag = cache_flag(&entry->flag_reads[i], module, clock);   /* borrowed */
         if (flag == NULL) {
             goto done;
         }

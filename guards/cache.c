@@ -55,7 +55,7 @@ entry_dealloc(CacheEntry *self)
     entry_clear(self);
     PyMem_Free(self->flag_refs);
     PyMem_Free(self->flag_values);
-    PyMem_Free(self->flag_dicts);
+    PyMem_Free(self->flag_guard_reads);
     PyMem_Free(self->values);
     PyMem_Free(self->unclocked);
     PyMem_Free(self->owners);
@@ -309,10 +309,10 @@ entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_ssize_t nv = PySequence_Fast_GET_SIZE(values_seq);
     self->flag_refs = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
     self->flag_values = PyMem_Calloc((size_t)nf + 1, 1);
-    self->flag_dicts = PyMem_Calloc((size_t)nf + 1, sizeof(PyObject *));
+    self->flag_guard_reads = PyMem_Calloc((size_t)nf + 1, sizeof(FlagRead));
     self->values = PyMem_Calloc((size_t)nv + 1, sizeof(ValueGuard));
     if (!self->flag_refs || !self->flag_values ||
-        !self->flag_dicts || !self->values) {
+        !self->flag_guard_reads || !self->values) {
         PyErr_NoMemory();
         goto error;
     }
@@ -432,60 +432,47 @@ cache_read_training(PyObject *module)
 }
 
 PyObject *
-cache_entry_flag_read(FlagRead *r, PyObject *module)
+cache_flag_read(FlagRead *r, PyObject *module)
 {
     PyTypeObject *type = Py_TYPE(module);
     r->tag = 0;
+    /* A `training` property may run Python that drops the module: held across. */
+    Py_INCREF(module);
     PyObject *from_dict;
     PyObject *flag = read_training(module, &from_dict);
-    if (flag == NULL || from_dict == NULL || type->tp_version_tag == 0 || Py_TYPE(module) != type) {
-        return flag;
-    }
+    /* From its own __dict__ (then no Python ran), under a class with a version tag. */
+    if (flag != NULL && from_dict != NULL && type->tp_version_tag != 0) {
 #ifdef NNS_PY311
-    const uint64_t version = nns_dict_version(from_dict);
+        const uint64_t version = nns_dict_version(from_dict);
+        const int watched = 1;
 #else
-    /* Watching a dict moves the clock: the clock after it is the one that stays
-     * while this dict (and every other watched one) is unchanged. */
-    if (!nns_dict_watched(from_dict)) {
-        return flag;
-    }
-    const uint64_t version = nns_dict_clock();
+        /* Watching a dict moves the clock: the clock after it is the one that stays
+         * while this dict (and every other watched one) is unchanged. */
+        const int watched = nns_dict_watched(from_dict);
+        const uint64_t version = nns_dict_clock();
 #endif
-    *r = (FlagRead){type, type->tp_version_tag, nns_object_dict_offset(module), from_dict,
-                    version, flag};
+        if (watched) {
+            *r = (FlagRead){type, type->tp_version_tag, nns_object_dict_offset(module),
+                            from_dict, version, flag};
+        }
+    }
+    Py_DECREF(module);
     return flag;
-}
-
-/* The flag reads as it did when the entry last held at the current dict clock: the
- * module lives (its weakref), and it still takes `training` from the same instance
- * __dict__, which is watched, so unchanged while the clock is.  A changed class (a
- * property added) changes its version tag, and nns_type_reads_instance_dict looks
- * again.  Runs no Python. */
-static inline int
-flag_vouched(CacheEntry *entry, Py_ssize_t i, PyObject *module)
-{
-    return entry->flag_dicts[i] != NULL && nns_object_dict(module) == entry->flag_dicts[i] &&
-           nns_type_reads_instance_dict(Py_TYPE(module), guard_env.str_training);
 }
 
 int
 cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
 {
-    /* No watched dict changed since every dict of this entry was last seen
-     * unchanged: the plain VG_DICT guards hold as they did. */
+    /* Read before any check (3.12+; 0 on 3.11): what the flags and the dicts are
+     * compared with. */
     const uint64_t clock = nns_dict_clock();
-    const int dicts_unchanged = clock != 0 && entry->clean_clock == clock;
     for (Py_ssize_t i = 0; i < entry->n_flags; i++) {
         PyObject *module = nns_weakref_object(entry->flag_refs[i]);
         if (module == Py_None) {
             *failed = i;
             return -1;
         }
-        if (dicts_unchanged && flag_vouched(entry, i, module)) {
-            continue;
-        }
-        PyObject *from_dict;
-        PyObject *flag = read_training(module, &from_dict);
+        PyObject *flag = cache_flag(&entry->flag_guard_reads[i], module, clock);
         if (flag == NULL) {
             PyErr_Clear();
             *failed = i;
@@ -495,10 +482,6 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
             *failed = i;
             return 0;
         }
-        /* Watched from here on (3.12+: starting to watch moves the clock, so the entry
-         * holds at a clock that already counts this dict); 3.11 has no clock. */
-        entry->flag_dicts[i] = from_dict != NULL && clock != 0 && nns_dict_watched(from_dict)
-            ? from_dict : NULL;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entry->training_refs); i++) {
         if (nns_weakref_object(PyTuple_GET_ITEM(entry->training_refs, i)) == Py_None) {
@@ -549,6 +532,9 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
     entry->tag_sum_owned = owned;
     return 1;
 #else
+    /* No watched dict changed since every dict of this entry was last seen
+     * unchanged: the plain VG_DICT guards hold as they did. */
+    const int dicts_unchanged = clock != 0 && entry->clean_clock == clock;
     /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
      * reached through its owner, that the owner lives, has its class and still has
      * that dict as its __dict__ (CPython tells nothing of `obj.__class__ = ...` or

@@ -65,9 +65,7 @@ typedef struct {
     Py_ssize_t n_flags;
     PyObject **flag_refs;      /* owned weakrefs to modules */
     char *flag_values;
-    PyObject **flag_dicts;     /* PyMem, addresses only: the instance __dict__ each flag
-                                  was last read from, when it is watched (3.12+), else
-                                  NULL; lets the dict clock vouch for the flag */
+    FlagRead *flag_guard_reads;  /* PyMem, one per flag: its last read (FlagRead) */
     Py_ssize_t n_values;
     ValueGuard *values;        /* owned guards on values the capture read */
     Py_ssize_t n_unclocked;
@@ -186,23 +184,22 @@ PyObject *cache_describe_call_key(PyObject *module, PyObject *const *args, Py_ss
  * returns. */
 PyObject *cache_read_training(PyObject *module);
 
-/* cache_entry_flag when the last read cannot be reused: reads the flag
+/* cache_flag when the last read cannot be reused: reads the flag
  * (cache_read_training) and remembers it in `r` where it came from the module's
  * own __dict__. */
-PyObject *cache_entry_flag_read(FlagRead *r, PyObject *module);
+PyObject *cache_flag_read(FlagRead *r, PyObject *module);
 
-/* The training flag of `module` (alive, training_refs[i] of `entry`) for the runner:
- * the last read's value while nothing it came from changed (FlagRead), else read
- * again and remembered.  `clock` is nns_dict_clock() read before the first flag of
- * this call.  Same result and errors as cache_read_training.  Inline: a hit passes
- * one per module whose flag feeds the graph. */
+/* The training flag of `module` (alive) as Py_True/Py_False, borrowed: the value of
+ * its last read `r` while nothing it came from changed (FlagRead), else read again
+ * and remembered.  `clock` is nns_dict_clock() read before the first flag of this
+ * check or call.  Same result and errors as cache_read_training.  Inline: a hit
+ * reads one per flag guard and one per flag the graph takes. */
 static inline PyObject *
-cache_entry_flag(CacheEntry *entry, Py_ssize_t i, PyObject *module, uint64_t clock)
+cache_flag(FlagRead *r, PyObject *module, uint64_t clock)
 {
 #ifdef NNS_PY311
     (void)clock;   /* 3.11 compares each dict's own version */
 #endif
-    FlagRead *r = &entry->flag_reads[i];
     PyTypeObject *type = Py_TYPE(module);
     /* Same class, not modified since (tags are never reused; 0 is "none"), so a
      * `training` property or __getattribute__ is no more there than it was; the
@@ -217,7 +214,7 @@ cache_entry_flag(CacheEntry *entry, Py_ssize_t i, PyObject *module, uint64_t clo
         ) {
         return r->value;
     }
-    return cache_entry_flag_read(r, module);
+    return cache_flag_read(r, module);
 }
 
 #endif

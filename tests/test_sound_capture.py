@@ -629,22 +629,25 @@ def test_training_property_added_after_hits_is_honoured(where):
     check(m, lambda x: x * 2 + 1, x)
 
 
-class _ModeAnswersTrue(_Mode):
-    training = property(lambda self: True, lambda self, value: None)
+class _BranchMode(nn.Module):
+    """The same answers as _Mode, from a branch: a flag guard, not a graph input."""
 
-
-class _ModeSameAnswer(_Mode):
-    pass
+    def forward(self, x):
+        if self.training:
+            return x * 2
+        return x * 3
 
 
 _KEPT: list = []
 
 
 def _flag_change(change, inner):
+    base = type(inner).__mro__[1]
     if change == "class with a property":
-        inner.__class__ = _ModeAnswersTrue
+        inner.__class__ = type("AnswersTrue", (base,), {
+            "training": property(lambda self: True, lambda self, value: None)})
     elif change == "class without one":
-        inner.__class__ = _ModeSameAnswer
+        inner.__class__ = type("SameAnswer", (base,), {})
         inner.__dict__["training"] = False
     elif change == "value moved to the class":
         type(inner).training = False           # not read while the instance has one
@@ -666,14 +669,14 @@ FLAG_CHANGES = ["class with a property", "class without one", "value moved to th
 
 
 @pytest.mark.parametrize("change", FLAG_CHANGES)
-def test_a_flag_passed_to_the_graph_is_read_again_when_its_source_changes(change):
-    """The runner's flags (a training flag the graph takes as an input) are read
-    once and then remembered while the module's class, __dict__ and that dict's
-    version (3.11) or the dict clock (3.12+) stand (cache.h, FlagRead): every way the
-    flag can change after hits must give eager's answer, whether the class, the
-    instance dict, or where `training` comes from changed."""
-    class Mode(_Mode):
-        pass
+@pytest.mark.parametrize("kind", [_Mode, _BranchMode], ids=["graph input", "branched on"])
+def test_a_flag_is_read_again_when_its_source_changes(change, kind):
+    """Training flags (a graph input, or a branch's guard) are read once and then
+    remembered while the module's class, __dict__ and that dict's version (3.11) or
+    the dict clock (3.12+) stand (cache.h, FlagRead): every way the flag can change
+    after hits must give eager's answer, whether the class, the instance dict, or
+    where `training` comes from changed."""
+    Mode = type("Mode", (kind,), {})
 
     class Holds(_HoldsMode):
         def __init__(self):
