@@ -810,15 +810,16 @@ def test_no_state_guard_reads_our_own_code():
                           or "RunnerSpec" in n], names
 
 
-def test_a_training_property_that_resets_and_detaches_its_module_during_a_hit():
-    # Python in the middle of the flag check (cache_entry_check reads `training`
-    # through the property): it retires every cache entry, drops the module whose
-    # flag is being read from its parent and collects it.  Nothing may crash, the
-    # call returns what one of the two module trees computes, and later calls are
-    # eager's.
+@pytest.mark.parametrize("kind", [_Mode, _BranchMode], ids=["graph input", "branched on"])
+def test_a_training_property_that_resets_and_detaches_its_module_during_a_hit(kind):
+    # Python in the middle of a flag's read (cache_flag: the guards' flags, or the
+    # runner's, read through the property): it retires every cache entry, drops the
+    # module whose flag is being read from its parent and collects it.  Nothing may
+    # crash, the call returns what one of the two module trees computes, and later
+    # calls are eager's.
     import gc
 
-    class Sneaky(_Mode):   # _Mode's forward, reading the flag through this property
+    class Sneaky(kind):   # the kind's forward, reading the flag through this property
         armed = False
 
         @property
