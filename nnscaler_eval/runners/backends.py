@@ -51,16 +51,26 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
 def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     """Record the graph into a CUDA graph (torch.cuda's graph API owns the memory
     pool) and return a callable that copies its inputs into the static input buffers,
-    replays, and returns copies of the static outputs.
+    replays, copies back into the caller's tensors the inputs the graph writes in place
+    (a static KV cache's `index_copy_`), and returns copies of the static outputs.
 
-    Inference only: it refuses (and the caller then runs the graph with the eager
-    backend, with one warning) when no CUDA device is present, when an input is not a
-    CUDA tensor, or when autograd would be needed.
+    Inference only, concrete sizes only: it refuses (and the caller then runs the graph
+    with the eager backend, with one warning, or, for a dynamic capture, records one
+    graph per concrete size) when no CUDA device is present, when an input is not a
+    CUDA tensor, when an example input is symbolic (a recording of fake tensors would
+    replay nothing and hand fake outputs to the caller), or when autograd would be
+    needed.
     """
     import torch
+    from torch._subclasses.fake_tensor import is_fake
 
     if not torch.cuda.is_available():
         raise RuntimeError("cudagraphs needs a CUDA device and none is available")
+    symbolic = [i for i, t in enumerate(example_inputs)
+                if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                or (isinstance(t, torch.Tensor) and is_fake(t))]
+    if symbolic:
+        raise ValueError(f"cudagraphs records concrete sizes; inputs {symbolic} are symbolic")
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     off_device = [i for i, t in enumerate(example_inputs)
                   if not (isinstance(t, torch.Tensor) and t.is_cuda)]
@@ -72,12 +82,17 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
         raise ValueError("cudagraphs is inference only: call under torch.no_grad() "
                          "(or with requires_grad=False everywhere)")
     static_inputs = [t.clone() for t in example_inputs]
+    versions = [t._version for t in static_inputs]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm-up: lazy initialisation outside the recording
             gm(*static_inputs)
     torch.cuda.current_stream().wait_stream(side)
+    # An input the graph writes in place moved its version counter in the warm-up (a
+    # view's write moves its base's): the replay writes the static copy, which then
+    # goes back to the caller's tensor, as the eager graph would have left it.
+    written = [i for i, (t, v) in enumerate(zip(static_inputs, versions)) if t._version != v]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_outputs = gm(*static_inputs)
@@ -86,11 +101,14 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
         graph.replay()
+        for i in written:
+            inputs[i].copy_(static_inputs[i])
         # the static outputs are overwritten by the next replay: hand out copies
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in static_outputs) \
             if isinstance(static_outputs, (tuple, list)) else static_outputs.clone()
 
     replay.cuda_graph = graph  # type: ignore[attr-defined]
+    replay.written_inputs = written  # type: ignore[attr-defined]
     return replay
 
 
