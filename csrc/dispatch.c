@@ -59,7 +59,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
         }
     }
     memcpy(args, slots, sizeof(PyObject *) * (size_t)n);
-    const uint64_t clock = nns_dict_clock();
+    uint64_t clock = nns_dict_clock();
     for (Py_ssize_t i = 0; i < nflags; i++) {
         /* The guards saw every module alive, but reading an earlier flag may have
          * run Python that dropped this one (cache_flag holds it across a read that
@@ -69,7 +69,7 @@ call_runner(CacheEntry *entry, PyObject *const *slots, Py_ssize_t n, int *stale)
             *stale = 1;
             goto done;
         }
-        PyObject *flag = cache_flag(&entry->flag_reads[i], module, clock);   /* borrowed */
+        PyObject *flag = cache_flag(&entry->flag_reads[i], module, &clock);   /* borrowed */
         if (flag == NULL) {
             goto done;
         }

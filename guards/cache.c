@@ -463,16 +463,16 @@ cache_flag_read(FlagRead *r, PyObject *module)
 int
 cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
 {
-    /* Read before any check (3.12+; 0 on 3.11): what the flags and the dicts are
-     * compared with. */
+    /* Read before any check (3.12+; 0 on 3.11): what the dicts are compared with. */
     const uint64_t clock = nns_dict_clock();
+    uint64_t flag_clock = clock;   /* moves with Python run by a flag's read */
     for (Py_ssize_t i = 0; i < entry->n_flags; i++) {
         PyObject *module = nns_weakref_object(entry->flag_refs[i]);
         if (module == Py_None) {
             *failed = i;
             return -1;
         }
-        PyObject *flag = cache_flag(&entry->flag_guard_reads[i], module, clock);
+        PyObject *flag = cache_flag(&entry->flag_guard_reads[i], module, &flag_clock);
         if (flag == NULL) {
             PyErr_Clear();
             *failed = i;
@@ -533,8 +533,12 @@ cache_entry_check(CacheEntry *entry, Py_ssize_t *failed)
     return 1;
 #else
     /* No watched dict changed since every dict of this entry was last seen
-     * unchanged: the plain VG_DICT guards hold as they did. */
-    const int dicts_unchanged = clock != 0 && entry->clean_clock == clock;
+     * unchanged, nor while the flags were read (a `training` property's Python may
+     * have replaced a child module, which the owner checks below would then read
+     * through a pointer to freed memory): the plain VG_DICT guards hold as they
+     * did. */
+    const int dicts_unchanged = clock != 0 && entry->clean_clock == clock &&
+                                flag_clock == clock;
     /* With the clock unchanged only what it cannot vouch for is looked at: for a dict
      * reached through its owner, that the owner lives, has its class and still has
      * that dict as its __dict__ (CPython tells nothing of `obj.__class__ = ...` or

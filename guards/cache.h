@@ -191,15 +191,14 @@ PyObject *cache_flag_read(FlagRead *r, PyObject *module);
 
 /* The training flag of `module` (alive) as Py_True/Py_False, borrowed: the value of
  * its last read `r` while nothing it came from changed (FlagRead), else read again
- * and remembered.  `clock` is nns_dict_clock() read before the first flag of this
- * check or call.  Same result and errors as cache_read_training.  Inline: a hit
- * reads one per flag guard and one per flag the graph takes. */
+ * and remembered.  `*clock` is nns_dict_clock() as of now: read before the first
+ * flag of a check or call, and read again here after a read that may have run Python
+ * (which may have changed the next flag's dict).  Same result and errors as
+ * cache_read_training.  Inline: a hit reads one per flag guard and one per flag the
+ * graph takes. */
 static inline PyObject *
-cache_flag(FlagRead *r, PyObject *module, uint64_t clock)
+cache_flag(FlagRead *r, PyObject *module, uint64_t *clock)
 {
-#ifdef NNS_PY311
-    (void)clock;   /* 3.11 compares each dict's own version */
-#endif
     PyTypeObject *type = Py_TYPE(module);
     /* Same class, not modified since (tags are never reused; 0 is "none"), so a
      * `training` property or __getattribute__ is no more there than it was; the
@@ -209,12 +208,14 @@ cache_flag(FlagRead *r, PyObject *module, uint64_t clock)
 #ifdef NNS_PY311
         nns_dict_version(r->dict) == r->version
 #else
-        clock != 0 && clock == r->version
+        *clock != 0 && *clock == r->version
 #endif
         ) {
         return r->value;
     }
-    return cache_flag_read(r, module);
+    PyObject *flag = cache_flag_read(r, module);
+    *clock = nns_dict_clock();
+    return flag;
 }
 
 #endif

@@ -849,6 +849,68 @@ def test_a_training_property_that_resets_and_detaches_its_module_during_a_hit(ki
     check(m, lambda x: x * 3 + 1, x)
 
 
+class _Sibling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("kind", [_Mode, _BranchMode], ids=["graph input", "branched on"])
+def test_a_flag_read_that_replaces_a_sibling_module_mid_hit(kind):
+    # Python in the middle of a flag's read (the flag is an object whose __bool__ runs
+    # Python: a flag guard's read, or the runner's) replaces another module the entry
+    # checks (a held owner, cache.h: read through a borrowed pointer while the dicts
+    # are unchanged) and collects the old one.  On 3.12+ the dict clock moved during
+    # the check: nothing may be vouched for by the clock read before it, and the old
+    # sibling must not be read through its pointer (under ASan: a use after free).
+    # The call returns what either tree computes (eager loads `self.sib` before the
+    # flag is read; the guards read the flag first); the next call is eager's.
+    import gc
+    from nnscaler_eval import _C
+
+    class Truthy:
+        armed = False
+
+        def __bool__(self):
+            if Truthy.armed:
+                Truthy.armed = False
+                holder._modules["sib"] = _Sibling()
+                gc.collect()
+            return True
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flagged = kind()
+            self.sib = _Sibling()
+
+        def forward(self, x):
+            return self.sib(self.flagged(x))
+
+    holder = Holder()
+    holder.flagged.__dict__["training"] = Truthy()
+    m = nnscaler.compile(holder)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            check(m, eager(holder), x)
+        entries = [e for b in _C.code_state(Holder.forward.__code__)["buckets"]
+                   if b.self is holder for e in b.entries]
+        assert entries and entries[0].n_held_owners >= 2   # the path this test is for
+        old_answer = eager(holder)(x)
+        m(x)   # hits with nothing between: on 3.12+ the clock vouches for the dicts
+        m(x)
+        Truthy.armed = True
+        got = m(x)
+        assert not Truthy.armed
+        new_answer = eager(holder)(x)
+        assert _same(got, old_answer) or _same(got, new_answer)
+        check(m, eager(holder), x)
+
+
 def test_a_property_read_by_a_frameless_hit_that_uncompiles_and_rewrites_the_module():
     # A positional call is answered without the forward's frame (compiled_call.c,
     # call_forward).  Python in the middle of it (the root's own `training`, read by
