@@ -339,21 +339,42 @@ def _value_mutations(targets: list[Any]) -> list[Mutation]:
 
 
 def _tensor_mutations(targets: list[Any]) -> list[Mutation]:
-    def apply() -> Optional[Callable[[], None]]:
-        saved = []
-        with torch.no_grad():
-            for t in targets:
-                if not t.is_floating_point() or t.numel() == 0:
-                    return None
-                saved.append(t.detach().clone())
-                t.add_(0.5)
-
-        def undo() -> None:
+    def edit(change: Callable[[torch.Tensor], bool]) -> Callable[[], Optional[Callable[[], None]]]:
+        def apply() -> Optional[Callable[[], None]]:
+            saved = []
             with torch.no_grad():
-                for t, old in zip(targets, saved):
-                    t.copy_(old)
-        return undo
-    return [Mutation("edit in place (add_ 0.5)", apply)]
+                for t in targets:
+                    if t.numel() == 0 or not change(t.detach().clone()):
+                        return None
+                for t in targets:
+                    saved.append(t.detach().clone())
+                    change(t)
+
+            def undo() -> None:
+                with torch.no_grad():
+                    for t, old in zip(targets, saved):
+                        t.copy_(old)
+            return undo
+        return apply
+
+    def add_half(t: torch.Tensor) -> bool:
+        if not t.is_floating_point():
+            return False
+        t.add_(0.5)
+        return True
+
+    def shrink_counts(t: torch.Tensor) -> bool:
+        # Lengths, counts, indices: every value above 1 one less (still valid where
+        # the old values were); a mask: flipped.  Shapes that come from the data move.
+        if t.dtype == torch.bool:
+            t.logical_not_()
+            return True
+        if t.is_floating_point() or t.is_complex() or not bool((t > 1).any()):
+            return False
+        t.sub_((t > 1).to(t.dtype))
+        return True
+    return [Mutation("edit in place (add_ 0.5)", edit(add_half)),
+            Mutation("edit in place (counts one less, masks flipped)", edit(shrink_counts))]
 
 
 def _array_mutations(targets: list[Any]) -> list[Mutation]:
@@ -628,7 +649,40 @@ def _own_models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple
         "branchy": (m.Branchy, lambda: ((torch.randn(4, 4),), {})),
         "value_only": (m.ValueOnly, lambda: ((torch.randn(4, 4),), {})),
         "timm_like": (TimmLike, lambda: ((torch.randn(2, 3, 16, 16),), {})),
+        # shapes from data: a lengths tensor decides them
+        "packed_lstm": (PackedLSTM, lambda: ((torch.randn(3, 6, 4), torch.tensor([6, 4, 3])),
+                                             {})),
+        "masked_lengths": (MaskedLengths, lambda: ((torch.randn(3, 6, 4),
+                                                    torch.tensor([6, 4, 3])), {})),
     }
+
+
+class PackedLSTM(nn.Module):
+    """An LSTM over `pack_padded_sequence`: the output's length is `lengths.max()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0]
+
+
+class MaskedLengths(nn.Module):
+    """A mask from lengths cuts the padding off, and picks the real tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> Any:
+        mask = torch.arange(int(x.shape[1]))[None, :] < lengths[:, None]
+        longest = torch.arange(lengths.max())
+        tokens = self.proj(x)[:, :longest.shape[0]][mask[:, :longest.shape[0]]]
+        return tokens, tokens.shape[0]
 
 
 class _Mlp(nn.Module):

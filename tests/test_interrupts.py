@@ -1,12 +1,17 @@
 """KeyboardInterrupt landing anywhere in a first call (capture) leaves nothing behind.
 
-A SIGALRM handler raising KeyboardInterrupt fires after a random tiny delay during
-the first call of a freshly compiled module: inside the trace patches' install or
+A signal whose handler raises KeyboardInterrupt (SIGALRM with a handler of the test's,
+or SIGINT with Python's default one, sent by another thread) fires after a random
+tiny delay during the first call of a freshly compiled module, whose capture is
+static or symbolic (`dynamic=True`: the forward runs on fake tensors, where torch's
+C++ calls Python back): inside the trace patches' install or
 uninstall, the user's forward, the tracer's `finally`, convert_frame, ... Every
 interrupt is caught; after each one the process must be as before the call (no patch,
 no current tracer, no torch function mode, no TrainingFlag in a module `__dict__`,
-capture lock free), the next call must capture normally and give eager's result, and
-at the end nothing of the interrupted traces may still be alive.
+capture lock free, every signal handler back, no dispatch mode or fake mode left),
+the next call must capture normally and give eager's result, and at the end nothing
+of the interrupted traces may still be alive.  The process must never abort: a
+signal is delivered where Python can unwind (capture/signals.py).
 
 The run happens in a subprocess (signals, and a broken process must not take pytest
 down with it), with a timeout.
@@ -17,20 +22,23 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 CHILD_FLAG = "--interrupt-child"
-CALLS = 200
+CALLS = 300
 
 
-def _child(calls: int, seed: int, nested: bool = False) -> dict:
+def _child(calls: int, seed: int, nested: bool = False, symbolic: bool = False,
+           signame: str = "SIGALRM") -> dict:
     import builtins
     import collections
     import gc
     import io
     import random
     import signal
+    import threading
     import time
     import contextlib
 
@@ -42,6 +50,7 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
     from nnscaler_eval import _C
     from nnscaler_eval.tracing import trace_patches, trace_state
     from nnscaler_eval.capture import Tracer
+    from nnscaler_eval.capture import signals as capture_signals
     from nnscaler_eval.tracing.tracked_values import TrainingFlag
 
     original_call = nn.Module.__dict__["__call__"]
@@ -107,6 +116,14 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
             found.append(f"torch function mode left on the stack: {modes}")
         if trace_state.capture_depth():
             found.append("capture lock held")
+        if torch._C._len_torch_dispatch_stack():
+            found.append("torch dispatch mode left on the stack")
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            found.append("fake tensor mode left set")
+        if signal.getsignal(signum) is not handler[0]:
+            found.append(f"{signame} handler is {signal.getsignal(signum)}")
+        if capture_signals._pending or capture_signals._owner is not None:
+            found.append("a signal deferral left behind")
         if _C.current_config() is not None or _C.armed_threads():
             found.append("thread left armed")
         for m in model.modules():
@@ -121,7 +138,7 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
     # How long a first call takes: the alarms are spread over that span.
     spans = []
     for _ in range(3):
-        probe = nnscaler.compile(Model())
+        probe = nnscaler.compile(Model(), dynamic=True if symbolic else None)
         start = time.perf_counter()
         probe(x)
         spans.append(time.perf_counter() - start)
@@ -130,6 +147,8 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
     nnscaler.reset()
 
     landed: collections.Counter = collections.Counter()
+
+    signum = getattr(signal, signame)
 
     def on_alarm(signum, frame):
         code = frame.f_code if frame is not None else None
@@ -142,9 +161,27 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
         else:
             where = f"test:{code.co_name}"
         landed[where] += 1
+        if signum == signal.SIGINT:
+            signal.default_int_handler(signum, frame)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGALRM, on_alarm)
+    signal.signal(signum, on_alarm)
+    handler = [on_alarm]
+
+    def arm(delay: float) -> Any:
+        if signum == signal.SIGALRM:
+            signal.setitimer(signal.ITIMER_REAL, delay)
+            return None
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        return timer
+
+    def disarm(timer: Any) -> None:
+        if timer is None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        else:
+            timer.cancel()
+            timer.join()
     failures = []
     interrupted = 0
     masked: collections.Counter = collections.Counter()
@@ -154,7 +191,7 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
         reference = Model()
         reference.load_state_dict(model.state_dict())
         reference.train(model.training)
-        nnscaler.compile(model)
+        nnscaler.compile(model, dynamic=True if symbolic else None)
         if nested:
             # Each block its own capture, nested in the model's (an opaque call: hooks).
             for block, twin in zip(model.blocks, reference.blocks):
@@ -163,7 +200,7 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
                 nnscaler.compile(block)
         delay = rng.uniform(1e-6, span * 1.2)
         try:
-            signal.setitimer(signal.ITIMER_REAL, delay)
+            timer = arm(delay)
             try:
                 start = time.perf_counter()
                 model(x)
@@ -172,7 +209,7 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
                 # later delays longer than the calls, and few calls interrupted).
                 span = min(span, time.perf_counter() - start)
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                disarm(timer)
         except BaseException as exc:
             # The interrupt, or an error torch raised while unwinding from it (its
             # own context managers are not interrupt-safe): never anything else.
@@ -202,7 +239,8 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
             failures.append(f"call {i}, second call: {found}")
             break
         del model, reference, got, want
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    handler[0] = signal.SIG_DFL if signum == signal.SIGALRM else signal.default_int_handler
+    signal.signal(signum, handler[0])
 
     # Nothing of an interrupted trace is still alive.
     gc.collect()
@@ -236,11 +274,13 @@ def _child(calls: int, seed: int, nested: bool = False) -> dict:
     }
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
-def test_interrupts_anywhere_in_first_calls_leave_nothing_behind(nested):
+@pytest.mark.parametrize("kind, signame", [("flat", "SIGALRM"), ("nested", "SIGALRM"),
+                                           ("symbolic", "SIGALRM"), ("flat", "SIGINT"),
+                                           ("symbolic", "SIGINT")])
+def test_interrupts_anywhere_in_first_calls_leave_nothing_behind(kind, signame):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [sys.executable, __file__, CHILD_FLAG, str(CALLS), "1234", str(int(nested))],
+        [sys.executable, __file__, CHILD_FLAG, str(CALLS), "1234", kind, signame],
         capture_output=True,
         text=True,
         timeout=600,
@@ -261,6 +301,7 @@ def test_interrupts_anywhere_in_first_calls_leave_nothing_behind(nested):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == [CHILD_FLAG]:
-    result = _child(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))
+    result = _child(int(sys.argv[2]), int(sys.argv[3]), nested=sys.argv[4] == "nested",
+                    symbolic=sys.argv[4] == "symbolic", signame=sys.argv[5])
     sys.stdout.flush()
     print(json.dumps(result))

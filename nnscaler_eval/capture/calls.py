@@ -6,8 +6,8 @@ The tracer asks; this module only answers, from the call and its result.
   or a plain function;
 - `tensorless_result(...)`: a call that returned no tensor is a node (a side effect),
   a metadata constant (guarded by the caller's shape checks), or a graph break;
-- `DATA_ACCESS`: Tensor methods that hand tensor data to Python (always a break);
-  `makes_dynamic_shape(...)`: an op whose output shape depends on tensor values;
+- `DATA_ACCESS`: Tensor methods that hand tensor data to Python (always a break)
+  (which ops make shapes from tensor values is data_dependence's question);
 - `runs_opaque(module)`: a submodule call that is one opaque `call_module` node, run
   for real (it has hooks, or its ops run where the tracer cannot see them), instead of
   being inlined.
@@ -85,22 +85,8 @@ _METADATA_NAMES = frozenset(
     }
 )
 # Queries whose answer is a shape: not constants when the shape came from data.
-SHAPE_QUERIES = frozenset({"size", "shape", "numel", "nelement", "__len__", "stride"})
-# Ops whose output shape depends on input *values*.
-_DATA_DEPENDENT_SHAPE_OPS = frozenset(
-    {
-        "nonzero",
-        "argwhere",
-        "masked_select",
-        "unique",
-        "unique_consecutive",
-        "_unique",
-        "_unique2",
-        "bincount",
-        "repeat_interleave",
-        "nonzero_static",
-    }
-)
+SHAPE_QUERIES = frozenset({"size", "shape", "numel", "nelement", "__len__", "stride",
+                           "storage_offset"})
 # Tensor methods that hand tensor data to Python.
 DATA_ACCESS = {
     "__bool__": "data-dependent control flow: bool() of a tensor",
@@ -354,20 +340,3 @@ def tensorless_result(func: Any, kind: str, target: Any, result: Any) -> tuple[s
             f"{type(result).__name__}"
         )
     return "break", f"cannot record {qualname(func)}(): it returns a {type(result).__name__}"
-
-
-def makes_dynamic_shape(
-    func: Any, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> bool:
-    """Does this call's output shape depend on tensor values (nonzero, boolean masks)?"""
-    if kind in ("method", "function", "operator"):
-        name = target if kind != "function" else getattr(func, "__name__", "")
-        if name == "repeat_interleave":  # data-dependent only with tensor repeats
-            return any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
-        if name in _DATA_DEPENDENT_SHAPE_OPS:
-            return True
-        if name == "where":  # the one-argument form is nonzero
-            return len(args) + len(kwargs) == 1
-        if name == "__getitem__":  # boolean-mask indexing
-            return any(t.dtype in (torch.bool, torch.uint8) for t in tensors_in(args[1:]))
-    return False

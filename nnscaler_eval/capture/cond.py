@@ -271,7 +271,7 @@ def _record_cond(
             flat = [_fresh_fake(meta) for meta in true_trace.out_meta]
             # Results of an op, not leaves (a leaf that requires grad refuses in-place ops).
             flat = [t.clone() if t.requires_grad else t for t in flat]
-    tracer.nodes.bind_result(tuple(flat), node, dynamic=False)
+    tracer.nodes.bind_result(tuple(flat), node, dynamic=None)
     return pytree.tree_unflatten(flat, true_trace.out_spec)
 
 

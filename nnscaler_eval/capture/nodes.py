@@ -32,7 +32,8 @@ class NodeMap:
         # Tensor identity -> node; every tensor seen is kept alive so ids stay unique.
         self.tensor_nodes: dict[int, fx.Node] = {}
         self.keepalive: list[Any] = []
-        self.dynamic_shape: set[int] = set()  # tensors whose shape came from data
+        # Tensors whose shape came from data -> why (capture/data_dependence.py).
+        self.dynamic_shape: dict[int, str] = {}
         # get_attr / call_module targets -> objects, for the GraphModule and the runner.
         self.attr_values: dict[str, Any] = {}
         self.attr_nodes: dict[str, fx.Node] = {}
@@ -62,17 +63,25 @@ class NodeMap:
 
     # -- tensors -------------------------------------------------------------------
 
-    def map(self, tensor: torch.Tensor, node: fx.Node, dynamic: bool = False) -> None:
+    def map(self, tensor: torch.Tensor, node: fx.Node, dynamic: Optional[str] = None) -> None:
+        """`tensor` is `node`'s value; `dynamic`: why its shape depends on data."""
         self.tensor_nodes[id(tensor)] = node
         self.keepalive.append(tensor)
         if dynamic:
-            self.dynamic_shape.add(id(tensor))
+            self.dynamic_shape[id(tensor)] = dynamic
         else:
-            self.dynamic_shape.discard(id(tensor))
+            self.dynamic_shape.pop(id(tensor), None)
 
-    def dynamic_among(self, value: Any) -> bool:
-        """Does `value` hold a tensor whose shape depends on tensor values?"""
-        return any(id(t) in self.dynamic_shape for t in tensors_in(value))
+    def dynamic_among(self, value: Any) -> Optional[str]:
+        """Why a tensor `value` holds has a shape that depends on tensor values, or
+        None when none has."""
+        if not self.dynamic_shape:
+            return None
+        for tensor in tensors_in(value):
+            reason = self.dynamic_shape.get(id(tensor))
+            if reason is not None:
+                return reason
+        return None
 
     def known(self, tensor: torch.Tensor) -> Optional[fx.Node]:
         """The node of a tensor seen before, or the `get_attr` of a parameter or buffer
@@ -93,8 +102,9 @@ class NodeMap:
         self.map(tensor, node)
         return node
 
-    def bind_result(self, result: Any, node: fx.Node, dynamic: bool) -> None:
-        """Map the tensors of an op's result to `node` (getitem nodes for containers).
+    def bind_result(self, result: Any, node: fx.Node, dynamic: Optional[str]) -> None:
+        """Map the tensors of an op's result to `node` (getitem nodes for containers);
+        `dynamic`: why their shapes depend on data (None: they do not).
 
         A result that *is* an input tensor (in-place ops, `out=`) now maps to the new
         node: the graph orders the mutation before every later use.

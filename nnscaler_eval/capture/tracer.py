@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.capture import calls, output, passed_objects
+from nnscaler_eval.capture import calls, output, passed_objects, signals
+from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
@@ -98,6 +99,31 @@ def _pop_modes_to(depth: int) -> None:
         torch._C._pop_torch_function_stack()
 
 
+def _pop_dispatch_modes_to(depth: int) -> None:
+    """Pop torch dispatch modes until `depth` are left (idempotent; the `with` that
+    pushed ours may not have run its exit when an interrupt landed)."""
+    while torch._C._len_torch_dispatch_stack() > depth:
+        torch._C._pop_torch_dispatch_stack()
+
+
+class _OpaqueWitness:
+    """The data-dependence record of one opaque call (Tracer._witnessed)."""
+
+    def __init__(self, watch: Optional[DataDependence]) -> None:
+        self.watch = watch
+        self.record = watch.begin() if watch is not None else None
+
+    def close(self) -> None:
+        if self.watch is not None and self.record is not None:
+            self.watch.close(self.record)
+
+    def verdict(self, result: Any) -> Optional[str]:
+        if self.watch is None or self.record is None:   # a run on fakes
+            return ("an opaque call made an output whose shape depends on tensor data"
+                    if has_unbacked_size(result) else None)
+        return self.watch.verdict(self.record, result=result)
+
+
 class Tracer(TorchFunctionMode):
     """Records one real run of a forward into an fx graph (see the package docstring).
 
@@ -145,6 +171,11 @@ class Tracer(TorchFunctionMode):
         self.metadata_tensors: dict[int, torch.Tensor] = {}
         self.unproven_constants: dict[int, torch.Tensor] = {}
         self.global_state = GlobalState()
+        # Which ops make shapes from tensor values: a static capture's run is watched
+        # at the dispatch level (a symbolic one runs on fakes: unbacked sizes say it).
+        # One per thread: a capture nested in another's (a compiled submodule run
+        # opaque) shares it, so that one mode sees each op, whatever the nesting.
+        self.data_dependence = DataDependence.of_this_thread() if symbolic is None else None
 
     # -- state -----------------------------------------------------------------
 
@@ -208,9 +239,12 @@ class Tracer(TorchFunctionMode):
         """
         previous = current_tracer()
         mode_depth = torch._C._len_torch_function_stack()
+        dispatch_depth = torch._C._len_torch_dispatch_stack()
         lazy_flag = _lazy_graph_module._use_lazy_graph_module_flag
         global_hooks = global_hook_state()
+        deferral = signals.Deferral()
         try:
+            deferral.start()
             set_current_tracer(self)
             trace_patches.install(self)
             self._prepare()
@@ -219,28 +253,38 @@ class Tracer(TorchFunctionMode):
             # already, and a plain pop would then fail or pop somebody else's.
             torch._C._push_on_torch_function_stack(self)
             try:
-                with (self.symbolic.active() if self.symbolic is not None
-                      else contextlib.nullcontext()):
+                with contextlib.ExitStack() as modes:
+                    if self.symbolic is not None:
+                        modes.enter_context(self.symbolic.active())
+                    elif not self.data_dependence.on_stack():
+                        modes.enter_context(self.data_dependence)
+                        modes.callback(self.data_dependence.forget)
                     result = call()
             finally:
                 _pop_modes_to(mode_depth)
+                _pop_dispatch_modes_to(dispatch_depth)
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
-            self._leave(previous, mode_depth)
+            self._leave(previous, mode_depth, dispatch_depth)
             capture = self._make_capture(result, layout)
             capture.state_unchanged = self.modules.unchanged_check(global_hooks)  # type: ignore[attr-defined]
             return capture
         finally:
-            run_to_completion(self._leave, previous, mode_depth, lazy_flag, True)
+            run_to_completion(self._leave, previous, mode_depth, dispatch_depth, lazy_flag,
+                              True)
+            # Last, with everything put back: a signal noted during the trace.
+            deferral.stop()
 
     def _leave(
-        self, previous: Any, mode_depth: int, lazy_flag: Any = None, final: bool = False
+        self, previous: Any, mode_depth: int, dispatch_depth: int, lazy_flag: Any = None,
+        final: bool = False
     ) -> None:
         """Undo what run() did to the process; each step idempotent."""
         self.modules.restore_training()
         trace_patches.uninstall(self)
         # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
         _pop_modes_to(mode_depth)
+        _pop_dispatch_modes_to(dispatch_depth)
         if current_tracer() is self:
             set_current_tracer(previous)
         if lazy_flag is not None:
@@ -340,6 +384,8 @@ class Tracer(TorchFunctionMode):
     def on_module_call(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if signals.pending():
+            signals.deliver()
         self._visit(module)
         if calls.runs_opaque(module):
             if self.branch is not None:  # it would run for real, on fake tensors
@@ -429,7 +475,7 @@ class Tracer(TorchFunctionMode):
                     alias = chosen.view_as(chosen)
                 # A fresh alias stands for the ifexpr: the chosen tensor itself keeps
                 # its own node for its other uses.
-                self.nodes.map(alias, node, dynamic=id(chosen) in self.nodes.dynamic_shape)
+                self.nodes.map(alias, node, dynamic=self.nodes.dynamic_among(chosen))
                 return alias
             if is_number(true_value) and is_number(false_value):
                 node = self._ifexpr_node(module, true_value, false_value)
@@ -475,16 +521,17 @@ class Tracer(TorchFunctionMode):
             node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
         except RecordingAborted:
             return fn(*args, **kwargs)
-        with self.suspended():
+        with self.suspended(), self._witnessed() as witness:
             result = fn(*torch_cond.fakeify(quiet_plain(args), self.fake_mode),
                         **torch_cond.fakeify(quiet_plain(kwargs), self.fake_mode))
+        dynamic = witness.verdict(result)
         inputs_have_tensors = next(tensors_in((args, kwargs)), None) is not None
         deps = unique_modules(deps_of_args((args, kwargs)))
         try:
             if next(tensors_in(result), None) is not None or result is None:
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
                 node.meta["nnscaler_opaque"] = True
-                self.nodes.bind_result(result, node, dynamic=False)
+                self.nodes.bind_result(result, node, dynamic)
                 return result
             if is_number(result):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
@@ -527,7 +574,8 @@ class Tracer(TorchFunctionMode):
         # as eager runs it: with one, torch takes its other path.
         unseen = (torch._C.DisableTorchFunction() if calls.takes_eval_fast_path(module)
                   else contextlib.nullcontext())
-        with self.suspended(tuple(module.modules())), unseen, eager_answers():
+        with self.suspended(tuple(module.modules())), unseen, eager_answers(), \
+                self._witnessed() as witness:
             result = call(module, *quiet_plain(args), **quiet_plain(kwargs))
         if not self.recording:
             return result
@@ -549,8 +597,18 @@ class Tracer(TorchFunctionMode):
             return result
         # opaque for its hooks alone: a runner may run the hooks disarmed
         node.meta["nnscaler_hooked"] = calls.opaque_for_hooks_only(module)
-        self.nodes.bind_result(result, node, dynamic=False)
+        self.nodes.bind_result(result, node, witness.verdict(result))
         return result
+
+    @contextlib.contextmanager
+    def _witnessed(self) -> Iterator["_OpaqueWitness"]:
+        """Watch code run for real as one node (an opaque module, a register_op op):
+        did anything inside make a shape from tensor values?"""
+        witness = _OpaqueWitness(self.data_dependence)
+        try:
+            yield witness
+        finally:
+            witness.close()
 
     # -- TorchFunctionMode ---------------------------------------------------------
 
@@ -563,6 +621,8 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
+        if signals.pending():
+            signals.deliver()
         if inspect.isfunction(func) and not is_library_file(func.__code__.co_filename):
             # The user replaced a torch function (`F.dropout = wrapper`) and torch's own
             # dispatch named the replacement (the original looks itself up by global
@@ -582,16 +642,13 @@ class Tracer(TorchFunctionMode):
         if kind == "method" and target in calls.DATA_ACCESS:
             self.graph_break(calls.DATA_ACCESS[target])
             return func(*quiet_plain(args), **quiet_plain(kwargs))
-        if (
-            self.nodes.dynamic_shape
-            and (target in calls.SHAPE_QUERIES or target is torch.numel)
-            and self.nodes.dynamic_among(args)
-        ):
-            self.graph_break(
-                f"data-dependent shape: {qualname(func)} of a tensor whose shape "
-                "depends on tensor values (nonzero, boolean mask, unique...)"
-            )
-            return func(*quiet_plain(args), **quiet_plain(kwargs))
+        if (target in calls.SHAPE_QUERIES or target is torch.numel) and self.nodes.dynamic_shape:
+            why = self.nodes.dynamic_among(args)
+            if why is not None:
+                self.graph_break(f"data-dependent shape: {qualname(func)} of a tensor whose "
+                                 f"shape depends on tensor values ({why})")
+                return func(*quiet_plain(args), **quiet_plain(kwargs))
+        dynamic: Optional[str] = None
         if self.branch is not None:
             result = torch_cond.call_in_branch(self, func, args, kwargs)
         elif self.symbolic is not None:
@@ -605,11 +662,31 @@ class Tracer(TorchFunctionMode):
                 # takes the expression; a fake has no data, so the run takes any value
                 # (the hint) instead of specialising the symbol.
                 call_args = symbolic_shapes.with_hints(call_args)
-            result = func(*call_args, **torch_cond.fakeify(quiet_plain(kwargs), fake_mode))
+            call_kwargs = torch_cond.fakeify(quiet_plain(kwargs), fake_mode)
+            try:
+                result = func(*call_args, **call_kwargs)
+            except (symbolic_shapes.Unsupported, GraphBreakError, KeyboardInterrupt,
+                    SystemExit):
+                raise
+            except Exception as exc:
+                # Say which op refused which symbolic argument (the static capture
+                # that follows raises eager's error, if it is one).
+                raise symbolic_shapes.Unsupported(
+                    symbolic_shapes.refusal(qualname(func), call_args, call_kwargs, exc)
+                ) from exc
         else:
-            result = func(*quiet_plain(args), **quiet_plain(kwargs))
+            plain_args, plain_kwargs = quiet_plain(args), quiet_plain(kwargs)
+            watch = self.data_dependence
+            record = watch.begin((plain_args, plain_kwargs))
+            try:
+                result = func(*plain_args, **plain_kwargs)
+            finally:
+                watch.close(record)
+            dynamic = watch.verdict(record, func, plain_args, plain_kwargs, result)
+        if signals.pending():
+            signals.deliver()
         try:
-            self._record_call(func, kind, target, args, kwargs, result)
+            self._record_call(func, kind, target, args, kwargs, result, dynamic)
         except RecordingAborted:
             pass
         return result
@@ -622,7 +699,10 @@ class Tracer(TorchFunctionMode):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         result: Any,
+        dynamic: Optional[str],
     ) -> None:
+        """Write the call as a node; `dynamic`: why its results' shapes depend on tensor
+        values, as the static run's witness found (None: ask the fakes, or the inputs)."""
         if result is NotImplemented:
             return
         if next(tensors_in(result), None) is None:
@@ -655,9 +735,19 @@ class Tracer(TorchFunctionMode):
         if kind in ("method", "function"):
             node.meta[direct_calls.PLAIN_META] = direct_calls.args_are_plain(
                 args, kwargs, (FakeTensor,) if self.symbolic is not None else ())
-        dynamic = calls.makes_dynamic_shape(func, kind, target, args, kwargs)
-        if self.nodes.dynamic_shape and not dynamic:
+        if dynamic is None and (self.symbolic is not None or self.branch is not None) \
+                and has_unbacked_size(result):
+            dynamic = f"{qualname(func)} makes an output whose shape depends on tensor data"
+        if dynamic is None:
             dynamic = self.nodes.dynamic_among((args, kwargs))
+            if dynamic is not None and isinstance(result, (tuple, list)) \
+                    and not hasattr(result, "_fields") and next(tensors_in(result), None) is not None:
+                # How many results there are may follow from the data-dependent size
+                # (`split`, `chunk`, `unbind`): the graph would hold a fixed count.
+                self.graph_break(f"data-dependent shape: {qualname(func)} of a tensor whose "
+                                 f"shape depends on tensor values ({dynamic}) returned "
+                                 f"{len(result)} results")
+                return
         self.nodes.bind_result(result, node, dynamic)
 
     # -- building nodes ------------------------------------------------------------
