@@ -68,12 +68,13 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch._guards import GuardSource, Source
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy import functions as torch_sympy
 
 from nnscaler_eval import _C
-from nnscaler_eval.capture import passed_objects
+from nnscaler_eval.capture import fake_runs, passed_objects
 from nnscaler_eval.tracing.locations import user_location
 
 # A field of the call key that can be symbolic: (argument index, dimension), or
@@ -143,6 +144,43 @@ def with_hints(value: Any) -> Any:
         items = [with_hints(v) for v in value]
         return items if isinstance(value, list) else tuple(items)
     return value
+
+
+def refusal(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+            error: BaseException) -> str:
+    """Why an op failed on a dynamic capture's fakes: the op, its first argument that
+    holds a symbol (or a tensor with a symbolic size), and torch's first line."""
+    where = ""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in named:
+        leaves = pytree.tree_leaves(value)
+        if any(_symbolic(leaf) for leaf in leaves):
+            shown = (f"a tensor of shape ({', '.join(_shown(d) for d in value.shape)})"
+                     if isinstance(value, torch.Tensor) else _shown(value))
+            where = f" ({label}: {shown})"
+            break
+    message = (str(error).strip().splitlines() or [""])[0]
+    return f"{name} refused symbolic sizes{where}: {type(error).__name__}: {message}"
+
+
+def _shown(value: Any) -> str:
+    """`value` as text, symbols by their expressions (str() of a symbol during a
+    capture would specialise it)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(value.node.expr)
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(_shown(v) for v in value)
+        return f"[{items}]" if isinstance(value, list) else f"({items})"
+    return repr(value)
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return not value.node.expr.is_number
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(d, torch.SymInt) for d in value.shape)
+    return False
 
 
 # --------------------------------------------------------------------------- the plan
@@ -383,14 +421,24 @@ class SymbolicInputs:
             if isinstance(fake, (torch.SymInt, torch.SymFloat)):
                 self.scalar_inputs.append((top, keys, fake.node.expr))
             replaced[(top, keys)] = fake
+        # A tensor passed twice (`model(input_ids=ids, labels=ids)`: the key says the
+        # second is an alias of the first) is the same fake in both places.
+        fakes = {id(table[i][1]): fake for i, fake in enumerate(self.field_values)
+                 if fake is not table[i][1] and isinstance(fake, torch.Tensor)}
+
+        def leaf_of(index: int, keys: tuple, leaf: Any) -> Any:
+            found = replaced.get((index, keys))
+            if found is None and isinstance(leaf, torch.Tensor):
+                found = fakes.get(id(leaf))
+            return leaf if found is None else found
+
         # Arguments holding KV caches are copied (passed_objects.copy_with) whether or
         # not a field of theirs is symbolic: the forward writes into the copy.
         memo: dict[int, Any] = {}   # one cache in two arguments: one copy
         self.values = tuple(
-            replaced[(index, ())] if (index, ()) in replaced
-            else passed_objects.copy_with(value, lambda keys, leaf, _i=index:
-                                          replaced.get((_i, keys), leaf), (), memo)
-            if passed_objects.holds_keyed(value) else value
+            passed_objects.copy_with(value, lambda keys, leaf, _i=index: leaf_of(_i, keys, leaf),
+                                     (), memo)
+            if passed_objects.holds_keyed(value) else leaf_of(index, (), value)
             for index, value in enumerate(values))
 
     def _int(self, index: int, value: int, offset: int, name: str) -> Any:
@@ -460,8 +508,15 @@ class SymbolicInputs:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """The fake mode, and text and hashing of symbols specialising them."""
-        with self.fake_mode, specialising_text(self.uses):
+        """The fake mode, and text and hashing of symbols specialising them.
+
+        With the Python dispatcher, as torch.compile traces: the meta functions torch
+        registers in Python take sizes as symbols where the C++ kernels of a few ops
+        need concrete ones (`constant_pad_nd` under `F.pad`, `upsample_bilinear2d`
+        under `F.interpolate`: "SymIntArrayRef expected to contain only concrete
+        integers")."""
+        with self.fake_mode, enable_python_dispatcher(), specialising_text(self.uses), \
+                fake_runs.quiet():
             yield
 
     def graph_value(self, tracer: Any, value: Any) -> Any:

@@ -60,6 +60,7 @@ from nnscaler_eval._C import call_holding as _call_holding
 from nnscaler_eval._C import call_with_mode_replaced as _call_with_mode_replaced
 from nnscaler_eval._C import recursion_depth as _recursion_depth
 from nnscaler_eval.tracing.compile_awareness import dynamo_is_compiling
+from nnscaler_eval.tracing.locations import is_library_file
 from nnscaler_eval.tracing.trace_state import current_tracer
 from nnscaler_eval.tracing.tracked_values import holds_tracked, plain_value, quiet_plain
 
@@ -218,7 +219,10 @@ def _module_init(module: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 def _print(*args: Any, **kwargs: Any) -> None:
     tracer = _tracing_tracer()
-    if tracer is not None:
+    # print() called by library code (logging reporting an error of its own, torch)
+    # prints as in eager: it is not the model's side effect, and raising inside
+    # logging's own error handling would only print more.
+    if tracer is not None and not is_library_file(sys._getframe(1).f_code.co_filename):
         tracer.on_python_side_effect(
             "print() (a Python side effect that replaying the graph would lose)"
         )
