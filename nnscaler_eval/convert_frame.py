@@ -405,7 +405,7 @@ def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: t
     mutable = state_guards.argument_snapshot(arguments)
     reachable = state_guards.argument_snapshot(state_guards.forward_namespace_values(fn))
     rng = state_guards.python_rng_state()
-    traced_slots = _state_aliases_apart(slots, first, self)
+    traced_slots = _state_aliases_apart(slots, first, self, fn)
     if symbolic is not None:
         traced_slots = traced_slots[:first] + tuple(
             fake if fake is not real else traced
@@ -548,22 +548,29 @@ def _mutated_before(code: Any, names: tuple[str, ...],
     return None
 
 
-def _state_aliases_apart(slots: tuple, first: int, root: Any) -> tuple:
-    """The slots to trace with: a tensor argument that is also a parameter or buffer
-    of the module (`model(model.position_ids)`) is passed as a view of itself.
+def _state_aliases_apart(slots: tuple, first: int, root: Any, fn: Any) -> tuple:
+    """The slots to trace with: a tensor argument that is also state the forward can
+    read (a parameter or buffer, a tensor attribute of a module of the tree, a global
+    or closure tensor its code names: `model(model.position_ids)`, `model(MASK)`) is
+    passed as a view of itself.
 
-    The tracer knows values by identity, so the argument and the module's tensor
-    would be one node, and the graph would hold only while the argument is that very
+    The tracer knows values by identity, so the argument and the state tensor would
+    be one node, and the graph would hold only while the argument is that very
     tensor.  A view shares storage, version counter and autograd history with it (an
     in-place op on either is seen by both, as in eager), yet is another object: the
-    graph then takes the argument as an input and reads the module's tensor as an
-    attribute, which is right whatever a later call passes.  The view exists for the
-    capture only; later calls pass their own tensors."""
-    if not isinstance(root, torch.nn.Module) or not any(
-            isinstance(v, torch.Tensor) for v in slots[first:]):
+    graph then takes the argument as an input and reads the state as state, which is
+    right whatever a later call passes.  The view exists for the capture only; later
+    calls pass their own tensors.  (State reached otherwise, through a helper's
+    globals, is found after the trace: that call is not cached.)"""
+    if not any(isinstance(v, torch.Tensor) for v in slots[first:]):
         return slots
-    state = {id(t) for t in root.parameters()}
-    state.update(id(t) for t in root.buffers())
+    state = {id(t) for _, t in state_guards.forward_namespace_values(fn, tensors=True)
+             if isinstance(t, torch.Tensor)}
+    if isinstance(root, torch.nn.Module):
+        for module in root.modules():
+            state.update(id(t) for t in module._parameters.values() if t is not None)
+            state.update(id(t) for t in module._buffers.values() if t is not None)
+            state.update(id(t) for t in vars(module).values() if isinstance(t, torch.Tensor))
     if not any(isinstance(v, torch.Tensor) and id(v) in state for v in slots[first:]):
         return slots
     with torch._C.DisableTorchFunction():

@@ -75,6 +75,7 @@ from torch.utils._sympy import functions as torch_sympy
 
 from nnscaler_eval import _C
 from nnscaler_eval.capture import fake_runs, passed_objects
+from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.tracing.locations import user_location
 
 # A field of the call key that can be symbolic: (argument index, dimension), or
@@ -342,7 +343,7 @@ def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[fro
 
 def passes_kv_cache(values: tuple) -> bool:
     """Does the call pass a KV cache (whose sizes are symbolic from the first capture)?"""
-    return any(passed_objects.holds_keyed(value) for value in values)
+    return any(keyed_objects.holds_kv_cache(value) for value in values)
 
 
 def _stored_table(entry: Any, table: list) -> Optional[list]:

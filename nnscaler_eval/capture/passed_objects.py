@@ -23,6 +23,7 @@ capture uncacheable (`ObjectSnapshot.writes` says why).
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -53,7 +54,7 @@ def input_leaves(slot: Any) -> list[tuple[tuple, Any]]:
     """The leaves of an argument as pytree flattens them, a keyed object (a KV cache)
     looked into: its tensors are leaves too, with attribute paths."""
     out: list[tuple[tuple, Any]] = []
-    for keys, leaf in pytree.tree_flatten_with_path(slot)[0]:
+    for keys, leaf in flatten(slot):
         if is_keyed(leaf):
             out.extend(_inside(leaf, tuple(keys)))
         else:
@@ -63,7 +64,13 @@ def input_leaves(slot: Any) -> list[tuple[tuple, Any]]:
 
 def holds_keyed(value: Any) -> bool:
     """Does an argument hold a keyed object (as itself, or as a pytree leaf)?"""
-    return is_keyed(value) or any(is_keyed(leaf) for leaf in pytree.tree_leaves(value))
+    return is_keyed(value) or any(is_keyed(leaf) for _, leaf in flatten(value))
+
+
+def flatten(value: Any) -> list[tuple[Any, Any]]:
+    """pytree's (path, leaf) pairs of an argument, stopping at keyed objects (a
+    ModelOutput is a pytree node too: its attributes are what the key describes)."""
+    return pytree.tree_flatten_with_path(value, is_leaf=is_keyed)[0]
 
 
 def resolve(value: Any, keys: tuple) -> Any:
@@ -92,10 +99,17 @@ def copy_with(value: Any, replace: Callable[[tuple, Any], Any], path: tuple = ()
     if id(value) in memo:
         return memo[id(value)]
     if is_keyed(value):
-        copy = memo[id(value)] = object.__new__(type(value))
+        cls = type(value)
+        copy = memo[id(value)] = cls.__new__(cls)
         copy.__dict__.update({name: copy_with(item, replace,
                                               path + (pytree.GetAttrKey(name),), memo)
                               for name, item in vars(value).items()})
+        if isinstance(value, dict):
+            # a ModelOutput: its items are its fields that are not None
+            put = (collections.OrderedDict.__setitem__
+                   if isinstance(copy, collections.OrderedDict) else dict.__setitem__)
+            for name in list(value):
+                put(copy, name, copy.__dict__.get(name, value[name]))
         return copy
     if type(value) in (list, dict) and path:
         copy = memo[id(value)] = [] if type(value) is list else {}
@@ -117,7 +131,7 @@ def copy_with(value: Any, replace: Callable[[tuple, Any], Any], path: tuple = ()
         return replace(path, value)
     if not path:
         # a top-level argument: pytree containers are looked into for keyed objects
-        leaves, spec = pytree.tree_flatten_with_path(value)
+        leaves, spec = pytree.tree_flatten_with_path(value, is_leaf=is_keyed)
         if not any(is_keyed(leaf) for _, leaf in leaves):
             return value
         return pytree.tree_unflatten(
@@ -135,7 +149,7 @@ class ObjectSnapshot:
         self.objects: dict[int, tuple[Any, tuple[int, tuple], dict]] = {}
         self.containers: dict[int, tuple[Any, tuple[int, tuple], Any]] = {}
         for index, slot in enumerate(slots):
-            for keys, leaf in pytree.tree_flatten_with_path(slot)[0]:
+            for keys, leaf in flatten(slot):
                 if is_keyed(leaf):
                     self._take(leaf, (index, tuple(keys)), 0)
 
@@ -181,6 +195,9 @@ class ObjectSnapshot:
                 old, new = before.get(name, _MISSING), now.get(name, _MISSING)
                 if new is old:
                     continue
+                if isinstance(value, dict):
+                    return [], (f"the forward changed {type(value).__name__}.{name} of an "
+                                "argument (its items too), which the runner does not replay")
                 if new is _MISSING:
                     out.append(("del", where, name))
                     continue

@@ -839,11 +839,12 @@ def argument_snapshot(values: Iterable[tuple[str, Any]]) -> Snapshot:
     return out
 
 
-def forward_namespace_values(fn: Any) -> list[tuple[str, Any]]:
+def forward_namespace_values(fn: Any, tensors: bool = False) -> list[tuple[str, Any]]:
     """What the forward's own code can reach before it runs: its closure cells and
     the globals its code (nested code included) names.  `argument_snapshot` of these,
     compared after the capture, finds in-place edits of state (a global list
-    appended to) that no graph replays."""
+    appended to) that no graph replays.  With `tensors`, the tensors among them
+    are kept too."""
     code = getattr(fn, "__code__", None)
     if code is None or _is_library_function(fn):
         return []
@@ -867,7 +868,8 @@ def forward_namespace_values(fn: Any) -> list[tuple[str, Any]]:
     # Objects of library classes (a `logging.Logger` caching its levels) keep their
     # own bookkeeping; plain containers and the user's objects are the state.
     return [(label, value) for label, value in values
-            if type(value) in _CONTAINERS or not _is_library_type(type(value))]
+            if type(value) in _CONTAINERS or not _is_library_type(type(value))
+            or (tensors and isinstance(value, torch.Tensor))]
 
 
 def _is_library_type(cls: type) -> bool:
