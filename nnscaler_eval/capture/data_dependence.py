@@ -53,6 +53,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nnscaler_eval import _C
 from nnscaler_eval.capture import fake_runs
 
 _DYNAMIC_SHAPE = torch.Tag.dynamic_output_shape
@@ -67,8 +68,8 @@ _FAKE_CHECKED = frozenset({"aten", "prims"})
 _READS_VALUE = 0         # tagged data_dependent_output: the call read a tensor value
 _TAGGED = 1              # tagged dynamic_output_shape: asked on fakes on every call
 _TAGGED_ELSEWHERE = 2    # the same tag outside torch's namespaces: data-dependent
-_UNTAGGED = 3            # torch's own, untagged: asked on fakes once per dtypes
-_PASSES = 4              # untagged outside torch's namespaces: its tags said no
+_UNTAGGED = 3            # torch's own, untagged, no meta kernel: asked once per dtypes
+_PASSES = 4              # untagged with a meta kernel, or outside torch's namespaces
 _kinds: dict[Any, int] = {}
 
 
@@ -81,7 +82,19 @@ def _kind_of(func: Any) -> int:
         return _TAGGED if ours else _TAGGED_ELSEWHERE
     # Collectives (c10d), backends' and users' custom ops: torch's fake run of one may
     # run its real kernel or talk to other ranks.  Their tags decide.
-    return _UNTAGGED if ours else _PASSES
+    if not ours:
+        return _PASSES
+    # A meta kernel computes the output's metadata from the inputs' metadata: that is
+    # its contract (an op whose output shape needs data has none, or is tagged).
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Meta") or \
+            func in _meta_table():
+        return _PASSES
+    return _UNTAGGED
+
+
+def _meta_table() -> Any:
+    from torch._decomp import meta_table
+    return meta_table
 
 
 # (aten op, argument dtypes and layouts) -> reason (None: the shape follows from
@@ -144,6 +157,12 @@ class DataDependence(TorchDispatchMode):
     supports_higher_order_operators = True
 
     @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Not wrapped in Dynamo's disable: the wrapper imports torch._dynamo (about a
+        second, and numpy.random with it) at the first op of the first capture."""
+        return False
+
+    @classmethod
     def ignore_compile_internals(cls) -> bool:
         """Invisible to torch.compile: with any other dispatch mode active, Dynamo
         skips the frames it would compile (eager `torch.cond` would then run its
@@ -153,7 +172,11 @@ class DataDependence(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CallRecord] = []
-        self._fake_mode: Optional[FakeTensorMode] = None
+        # Fakes for one op: without a shape environment, an op whose output shape
+        # needs data raises (DynamicOutputShapeException); and with one, for a call
+        # that read a value: `full((3,), t.max())` keeps its shape, `arange(t.max())`
+        # gets an unbacked size.  (A ShapeEnv imports torch._dynamo: only on demand.)
+        self._fake_modes: dict[bool, FakeTensorMode] = {}
 
     @staticmethod
     def of_this_thread() -> "DataDependence":
@@ -169,9 +192,9 @@ class DataDependence(TorchDispatchMode):
         answer adds a symbol; the mode is otherwise kept, since making one costs
         more than the runs it serves)."""
         self.records.clear()
-        if self._fake_mode is not None and \
-                len(self._fake_mode.shape_env.var_to_range) > _MAX_SYMBOLS:
-            self._fake_mode = None
+        symbolic = self._fake_modes.get(True)
+        if symbolic is not None and len(symbolic.shape_env.var_to_range) > _MAX_SYMBOLS:
+            del self._fake_modes[True]
 
     def on_stack(self) -> bool:
         """Is this mode on the thread's dispatch stack already (an enclosing capture
@@ -218,7 +241,13 @@ class DataDependence(TorchDispatchMode):
         if not _is_torch_callable(func):
             return (f"{_name(func)} read tensor data outside torch's dispatch"
                     if record.read_value else None)
-        return self._fake_verdict(func, args, kwargs or {}, _name(func))[0]
+        paused = _C.record_functions_pause()
+        try:
+            return self._fake_verdict(func, args, kwargs or {}, _name(func),
+                                      presumed=record.read_value,
+                                      symbolic=record.read_value)[0]
+        finally:
+            _C.record_functions_resume(paused)
 
     # -- the mode --------------------------------------------------------------------
 
@@ -242,7 +271,13 @@ class DataDependence(TorchDispatchMode):
                 open_record.read_value = True
         elif kind != _PASSES and record.reason is None and \
                 not any(type(t) is FakeTensor for t in tensors):
-            reason = self._op_verdict(func, kind, args, kwargs, tensors)
+            # What runs to decide is ours, not the forward's: not recorded as code
+            # that ran (its names are not the forward's reads).
+            paused = _C.record_functions_pause()
+            try:
+                reason = self._op_verdict(func, kind, args, kwargs, tensors)
+            finally:
+                _C.record_functions_resume(paused)
             if reason is not None:
                 for open_record in records:
                     if open_record.reason is None:
@@ -254,13 +289,19 @@ class DataDependence(TorchDispatchMode):
         if kind == _TAGGED_ELSEWHERE:
             return f"{func} is tagged dynamic_output_shape"
         if kind == _TAGGED:
-            return self._fake_verdict(func, args, kwargs, str(func))[0]
+            if _runs_on_meta(func, args, kwargs):
+                return None
+            return self._fake_verdict(func, args, kwargs, str(func), presumed=True)[0]
         signature = (func, *[(t.dtype, t.layout) for t in tensors])
         try:
             return _untagged_verdicts[signature]
         except KeyError:
             pass
-        verdict, settled = self._fake_verdict(func, args, kwargs, str(func))
+        if _runs_on_meta(func, args, kwargs):
+            verdict, settled = None, True
+        else:
+            verdict, settled = self._fake_verdict(func, args, kwargs, str(func),
+                                                  presumed=False)
         if settled:
             _untagged_verdicts[signature] = verdict
         return verdict
@@ -268,17 +309,24 @@ class DataDependence(TorchDispatchMode):
     # -- the fake run ------------------------------------------------------------------
 
     def _fake_verdict(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      name: str) -> tuple[Optional[str], bool]:
+                      name: str, presumed: bool, symbolic: bool = False
+                      ) -> tuple[Optional[str], bool]:
         """Run `func` on fake copies of its arguments: why its result's shape depends on
         data (None when the fake run computed it from metadata alone), and whether
-        that answer holds for other arguments of the same dtypes (not when the fake
-        run failed for a reason of these arguments: a nested tensor, a shape error)."""
-        if self._fake_mode is None:
+        that answer holds for other arguments of the same dtypes.
+
+        A fake run that fails for another reason (an op fake tensors do not support,
+        a nested tensor, a shape error eager raises too, a library's patch of torch)
+        says nothing of data: then `presumed` decides, True where torch's tag or a
+        value read inside the call already suggests data-dependence, and the answer
+        is not kept for other calls."""
+        mode = self._fake_modes.get(symbolic)
+        if mode is None:
             # No fallback kernels: an op without a fake implementation would run for
             # real on zeros, and a shape computed from zeros is no answer.
-            self._fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True,
-                                             allow_fallback_kernels=False)
-        mode = self._fake_mode
+            mode = self._fake_modes[symbolic] = FakeTensorMode(
+                shape_env=ShapeEnv() if symbolic else None, static_shapes=True,
+                allow_fallback_kernels=False)
         # The fake run's own ops are not the capture's.
         records, self.records = self.records, []
         try:
@@ -293,6 +341,8 @@ class DataDependence(TorchDispatchMode):
         except Exception as exc:
             if "data" in str(exc):   # "Cannot access data pointer", "data is not allocated"
                 return f"{name} reads tensor data to compute its output's shape", True
+            if not presumed:
+                return None, False
             return (f"{name} could not be run on fake tensors ({type(exc).__name__}), so "
                     "its output's shape is not known to follow from its inputs' shapes",
                     False)
@@ -301,6 +351,39 @@ class DataDependence(TorchDispatchMode):
         if has_unbacked_size(result):
             return f"{name} makes an output whose shape depends on tensor data", True
         return None, True
+
+
+def _runs_on_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Does the op run on meta copies of its arguments?  Then its output's shape came
+    from metadata alone: a meta tensor has no data to read.  (No fake tensor mode: the
+    first one of a process imports torch._dynamo, about a second, so fakes are asked
+    only about the ops that fail here.)"""
+    def meta(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_nested or type(value) not in (
+                    torch.Tensor, torch.nn.Parameter) or value.device.type == "meta":
+                raise _NotMetaCopyable
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(meta(v) for v in value) if type(value) in (list, tuple) \
+                else value
+        return value
+
+    try:
+        meta_args = tuple(meta(a) for a in args)
+        meta_kwargs = {k: meta(v) for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunction():
+            func(*meta_args, **meta_kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:   # _NotMetaCopyable, an op with no meta kernel, a data read
+        return False
+    return True
+
+
+class _NotMetaCopyable(Exception):
+    pass
 
 
 def _is_torch_callable(func: Any) -> bool:
