@@ -1,9 +1,9 @@
 """Adds our public names onto Microsoft nnScaler's `nnscaler` package.
 
 Called by the import hook (`_nnscaler_eval_ns`) right after nnScaler's own
-`nnscaler/__init__.py` has run. nnScaler's names stay as they are, with one exception:
-`register_op`, replaced by ours, which accepts nnScaler's signature, registers with
-nnScaler's registry too and returns what nnScaler's returns (see register_op.py).
+`nnscaler/__init__.py` has run. nnScaler's names stay as they are: `register_op` is
+nnScaler's own, whose registry hands each function to ours (register_op.py), so that
+installing us changes nothing of nnScaler's contract.
 `nnscaler.runtime.function.ifexpr` stays nnScaler's (same semantics); the bytecode
 rewrite calls `nnscaler_eval.runtime.ifexpr`, which exports map to nnScaler's.
 
@@ -22,9 +22,9 @@ from typing import Any
 
 from nnscaler_eval import api, microsoft_nnscaler
 
-# Names of ours that replace nnScaler's (all others are added only where nnScaler has
+# Names of ours that replace nnScaler's: none (ours are added only where nnScaler has
 # no attribute of that name).
-REPLACED = ("register_op",)
+REPLACED: tuple[str, ...] = ()
 
 
 def extend(package: ModuleType) -> None:

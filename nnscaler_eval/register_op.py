@@ -130,24 +130,25 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
     `register_op(fn, annotation, name=None)` registers `fn` at once. The annotation is
     parsed here, so a bad one raises AnnotationError at the decorator's line.
 
-    With Microsoft nnScaler installed (see "One registry with nnScaler" below) it also
-    takes nnScaler's signature, `register_op(annotation, name=None,
-    code_impl_pattern='import', emit_fn=None, transform_rules=None, input_gen_fn=None)`
-    (an annotation may then be an annotation function, as nnScaler allows) and hands
-    the op to nnScaler's register_op too, which returns the function it registered: the
-    same op (see `_register_with_nnscaler`).
+    With Microsoft nnScaler installed (see "One registry with nnScaler" below) this is
+    nnScaler's register_op, whole: its signature, annotations, checks, registry and
+    return value (the function itself), with our `register_op(fn, annotation)` form
+    as one addition; nnScaler's registry then hands each function to ours.
     """
     nnscaler_register = _nnscaler_register_op()
-    allowed = _NNSCALER_PARAMS if nnscaler_register is not None else ("annotation", "name")
+    if nnscaler_register is not None:
+        if len(args) >= 2 and callable(args[0]) and not isinstance(args[0], str) \
+                and isinstance(args[1], str):
+            return nnscaler_register(*args[1:], **kwargs)(args[0])   # ours: (fn, annotation)
+        return nnscaler_register(*args, **kwargs)
+    allowed = ("annotation", "name")
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise TypeError(f"register_op() got an unexpected keyword argument {unknown[0]!r}")
     fn: Optional[Callable[..., Any]] = None
     rest = list(args)
-    if rest and not isinstance(rest[0], str) and callable(rest[0]) and (
-            nnscaler_register is None or "annotation" in kwargs
-            or (len(rest) > 1 and isinstance(rest[1], str) and "->" in rest[1])):
-        fn = rest.pop(0)  # ours: register_op(fn, 'a -> a'); not nnScaler's register_op(anno_fn)
+    if rest and not isinstance(rest[0], str) and callable(rest[0]):
+        fn = rest.pop(0)  # register_op(fn, 'a -> a')
     if len(rest) > len(allowed):
         raise TypeError(f"register_op() takes an annotation and an optional name; {_USAGE}")
     params = dict(zip(allowed, rest))
@@ -156,28 +157,19 @@ def register_op(*args: Any, **kwargs: Any) -> Any:
             raise TypeError(f"register_op() got multiple values for argument {key!r}")
         params[key] = value
     if "annotation" not in params:
-        hint = (" (nnScaler's annotation functions, register_op(anno_fn), are not "
-                "supported)" if fn is not None else "")
+        hint = (" (nnScaler's annotation functions, register_op(anno_fn), need nnScaler "
+                "installed)" if fn is not None else "")
         raise TypeError(f"register_op() needs an annotation{hint}; {_USAGE}")
     text, name = params["annotation"], params.get("name")
     if not isinstance(text, str):
-        if callable(text) and nnscaler_register is None:
-            raise TypeError("register_op(): annotation functions are not supported; pass "
-                            f"the annotation string. {_USAGE}")
-        if not callable(text):
-            raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', "
-                            f"not {type(text).__name__}")
+        if callable(text):
+            raise TypeError("register_op(): annotation functions need Microsoft nnScaler "
+                            f"installed; pass the annotation string. {_USAGE}")
+        raise TypeError(f"register_op(): the annotation is a str like 'a b -> a b', "
+                        f"not {type(text).__name__}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise TypeError(f"register_op(): name must be a non-empty str, not {name!r}")
-    annotation = parse_annotation(text) if isinstance(text, str) else None
-    if nnscaler_register is not None:
-        options = {key: params[key] for key in _NNSCALER_PARAMS[2:] if key in params}
-
-        def register_both(fn: F) -> F:
-            return cast(F, _register_with_nnscaler(fn, text, annotation, name, options))
-
-        return register_both(fn) if fn is not None else register_both
-    assert annotation is not None
+    annotation = parse_annotation(text)
     if fn is not None:
         return _register(fn, annotation, name)
 
@@ -330,12 +322,14 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 # -- One registry with Microsoft nnScaler ---------------------------------------------
 #
 # With nnScaler installed, `attach_nnscaler()` runs when its package is imported (the
-# import hook, `_nnscaler_eval_ns`). It wraps nnScaler's `CustomizedOps.register`, the
-# one call every nnScaler registration goes through (`nnscaler.register_op`,
-# `nnscaler.graph.parser.register`, ...), so each function nnScaler registers is adopted
-# here too:
+# import hook, `_nnscaler_eval_ns`).  From then on `register_op` is nnScaler's (its
+# contract whole: every annotation its parser accepts, registration with the return
+# value unused, its options), and nnScaler's `CustomizedOps.register`, the one call
+# every nnScaler registration goes through, is wrapped so that each function nnScaler
+# registers is adopted here too:
 #
-# - an op of ours handed over by our register_op is only told its nnScaler signature;
+# - an op of ours registered before nnScaler was imported, handed over then, is only
+#   told its nnScaler signature;
 # - for a function registered with nnScaler directly, an op of ours (`_make_op`) is
 #   made around a copy of the function (same code,
 #   globals, defaults, closure: the "body"), named by nnScaler's signature
@@ -349,10 +343,7 @@ def _same_definition(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
 # Functions with closure cells cannot take the trampoline (a code object's free
 # variables must match the closure): they stay nnScaler-only and a warning says so.
 # `autograd.Function.apply` and script functions are opaque in our captures already.
-# Our `register_op` hands its op to nnScaler's, so one registration lands in both.
 
-_NNSCALER_PARAMS = ("annotation", "name", "code_impl_pattern", "emit_fn",
-                    "transform_rules", "input_gen_fn")
 _nnscaler_attached = False
 
 
@@ -415,37 +406,6 @@ def _hook_nnscaler_registry(CustomizedOps: Any) -> bool:
         CustomizedOps.register = staticmethod(register)  # type: ignore[method-assign]
     _nnscaler_attached = True
     return True
-
-
-def _register_with_nnscaler(fn: Callable[..., Any], text: Any,
-                            annotation: Optional[OpAnnotation], name: Optional[str],
-                            options: dict[str, Any]) -> Any:
-    """Ours, exactly as without nnScaler (the same op, checks and registry), and the op
-    handed to nnScaler's register_op, which returns the function it was handed: the op.
-
-    nnScaler names an op `module.__name__` and imports that module in its generated
-    code; the op carries the function's module and name (functools.wraps), and the
-    decorator binds the op to that name, so nnScaler's runtime function is the op
-    itself. Where nnScaler refuses a registration that ours accepts (functions of
-    `__main__`, a second name for one function, builtins, partials) the op stays ours
-    only, and `export_for_nnscaler` names the reason if a graph uses it; when nnScaler's
-    own options (`emit_fn`, ...) were passed its error is raised instead.
-    """
-    nnscaler_register = _nnscaler_register_op()
-    assert nnscaler_register is not None
-    adopted = getattr(fn, "__nnscaler_eval_op__", None)
-    if adopted is not None:
-        return adopted  # registered through nnScaler first: its op
-    op = _register(fn, annotation, name)
-    if nnscaler_op_signature(op) is not None:
-        return op
-    try:
-        nnscaler_register(text, name, **options)(op)
-    except Exception as exc:  # noqa: BLE001 -- nnScaler's refusals are of many kinds
-        if options:
-            raise
-        op.__nnscaler_refused__ = f"{type(exc).__name__}: {exc}"  # type: ignore[attr-defined]
-    return op
 
 
 def _adopt(signature: str, runtime_fn: Any, op_create_fn: Any) -> None:

@@ -48,6 +48,7 @@ from nnscaler.graph.parser import FxModuleParser  # noqa: E402
 from nnscaler.graph.parser.register import CustomizedOps  # noqa: E402
 
 import nnscaler_eval  # noqa: E402
+import nnscaler_eval.register_op  # noqa: E402
 from nnscaler_eval.export import export as export_own_form  # noqa: E402
 from nnscaler_eval.parallelize import export_for_nnscaler, parallelize  # noqa: E402
 
@@ -74,7 +75,7 @@ def line_of(marker: str) -> int:
 
 # -- ops registered through both front doors -------------------------------------------
 
-@nnscaler.register_op("* k+, n k+ -> * n")  # ours, with nnScaler installed: both registries
+@nnscaler_eval.register_op.register_op("* k+, n k+ -> * n")  # ours: nnScaler's, adopted by ours
 def our_linear_op(x, w):
     return torch.matmul(x, w.transpose(0, 1))
 
@@ -401,7 +402,8 @@ def test_dict_input_and_buffer_persistence():
 def test_registered_ops_are_single_nodes_in_both_registries():
     assert CustomizedOps.exist(f"{__name__}.our_linear_op")
     assert CustomizedOps.exist(f"{__name__}.their_scale_op")
-    # nnScaler's register_op returns the function itself; so does ours with nnScaler.
+    # nnScaler's register_op returns the function itself; so does ours with nnScaler
+    # (it is nnScaler's).
     assert our_linear_op.__name__ == "our_linear_op" and callable(our_linear_op)
     assert CustomizedOps.kOpRuntime[f"{__name__}.their_scale_op"] is their_scale_op
     model = RegisteredOps()
@@ -439,7 +441,8 @@ def test_public_names_on_nnscalers_package():
     for name in ("compile", "export", "export_for_nnscaler", "explain", "cache_info", "reset"):
         assert getattr(nnscaler, name).__module__.startswith("nnscaler_eval"), name
     assert nnscaler.export is export_for_nnscaler  # nnScaler's package: nnScaler's form
-    assert nnscaler.register_op.__module__ == "nnscaler_eval.register_op"
+    # nnScaler's own: installing us changes nothing of its contract
+    assert nnscaler.register_op.__module__ == "nnscaler.graph.parser.register"
     from nnscaler.eval_frame import disable, enable
     assert callable(enable) and callable(disable)
     from nnscaler.runtime.function import ifexpr
@@ -491,10 +494,13 @@ def test_register_op_takes_nnscalers_signature():
     assert CustomizedOps.kOpInputGen[sig_tripled] is _profile_inputs
     assert CustomizedOps.kOpRuntime[sig_tripled] is tripled
     assert CustomizedOps.kOpRuntime[sig_minus] is minus_one
-    assert nnscaler.registered_ops()["tripled"] is tripled
+    # ours adopted it, under nnScaler's signature
+    assert nnscaler.registered_ops()[sig_tripled].__wrapped__ is tripled.__wrapped__
     x = torch.randn(3, 6)
     ours = export_own_form(NnscalerSignatureOps(), x)
-    assert [n.target for n in ours.graph.nodes if n.op == "call_function"] == [tripled, minus_one]
+    # one opaque node each, whose target is the adopted op around the function's body
+    assert [n.target.__wrapped__ for n in ours.graph.nodes if n.op == "call_function"] == \
+        [tripled.__wrapped__, minus_one.__wrapped__]
     gm = export_for_nnscaler(NnscalerSignatureOps(), x)
     _, ir_nodes, _ = FxModuleParser.parse(gm, {"x": x}, save_content=False)
     assert [n.signature for n in ir_nodes] == [sig_tripled, sig_minus]
