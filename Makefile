@@ -114,7 +114,7 @@ test-nnscaler:
 	  $(MAKE) nnscaler-env && \
 	  NNSCALER_PEERS="$(abspath $(NNSCALER_PEERS))" NNSCALER_PEER_SRC="$(abspath $(NNS_SRC))" \
 	  NNSCALER_WHEELS="$(abspath $(NNS_WHEELS))" \
-	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py tests/test_nnscaler_saveload.py \
+	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py tests/test_nnscaler_saveload.py tests/test_nnscaler_values.py \
 	    tests/test_nnscaler_dynamic.py; \
 	fi
 

@@ -125,8 +125,12 @@ def _symbolic_inputs(fn: Any, slots: tuple, slot_names: tuple, dynamic_dims: Opt
 
 
 def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                        caller: str, dynamic_dims: Optional[dict] = None
+                        caller: str, dynamic_dims: Optional[dict] = None,
+                        python_values: bool = False
                         ) -> tuple[Capture, inspect.BoundArguments]:
+    """One capture of `module(*args, **kwargs)` for an export.  `python_values`: the
+    numbers, shapes and dicts that flow from the arguments are graph values
+    (capture/python_values.py), as nnScaler's generated module needs them."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} takes an nn.Module, got {type(module).__name__}")
     from nnscaler_eval.eval_frame import enable
@@ -155,9 +159,10 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                 slot_names,
                 root=module,
                 fullgraph=symbolic is None,
-                call=((lambda: fn(*slots)) if symbolic is not None
+                call=(None if python_values else (lambda: fn(*slots)) if symbolic is not None
                       else (lambda: fn(*bound.args, **bound.kwargs))),
                 symbolic=symbolic,
+                python_values=python_values,
             )
     except GraphBreakError as exc:
         raise _export_error(where, exc.fallback) from None

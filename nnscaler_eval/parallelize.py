@@ -61,6 +61,7 @@ from nnscaler_eval.export import (
 )
 from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
+from nnscaler_eval.tracing import trace_patches
 
 __all__ = ["export_for_nnscaler", "parallelize", "nnscaler_available"]
 
@@ -91,7 +92,7 @@ def export_for_nnscaler(module: nn.Module, *args: Any, dynamic_dims: Optional[di
     _require_nnscaler("export_for_nnscaler()")
     with _state_kept(module):
         result, bound = _capture_for_export(module, args, kwargs, "export_for_nnscaler()",
-                                            dynamic_dims)
+                                            dynamic_dims, python_values=True)
         gm = _nnscaler_graph(result, bound, module)
         _add_metadata(gm, module, bound)
     return gm
@@ -197,7 +198,6 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             raise ExportError(f"export_for_nnscaler: {new.target} is called as an opaque "
                               f"module (it has hooks) at {_where(old)}; nnScaler's parser "
                               "needs its forward traced: remove the hooks to export")
-    _float_arguments_as_inputs(graph, bound, param_nodes)
     graph.lint()
     gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
     keep_buffer_persistence(gm, module)
@@ -209,31 +209,6 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                       "for `if` statements); write `a if self.training else b` to keep both",
                       stacklevel=4)
     return gm
-
-
-def _float_arguments_as_inputs(graph: fx.Graph, bound: inspect.BoundArguments,
-                               param_nodes: dict[str, fx.Node]) -> None:
-    """A float argument the capture baked into calls (`x * scale`) reads its placeholder.
-
-    The capture specialises on non-tensor values; nnScaler's generated forward takes
-    them as arguments and refuses a value for an argument the graph does not use. The
-    float object the caller passed reaches the recorded call unchanged, so its uses are
-    found by identity (an equal constant written in the source is another object).
-    Uses hidden behind Python arithmetic (`scale * 2`) stay specialised, as in
-    nnScaler's own concrete trace.
-    """
-    for name, node in param_nodes.items():
-        value = bound.arguments.get(name)
-        if type(value) is not float:
-            continue
-
-        def substitute(arg: Any, value: Any = value, node: fx.Node = node) -> Any:
-            return node if arg is value else arg
-
-        for user in graph.nodes:
-            if user.op in ("call_function", "call_method"):
-                user.args = fx.node.map_aggregate(user.args, substitute)
-                user.kwargs = fx.node.map_aggregate(user.kwargs, substitute)
 
 
 def _forward_name(module: nn.Module) -> str:
@@ -352,6 +327,7 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         value = bound.arguments.get(name)
         inputs.append(value)
     _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    _drop_state_changes(gm)
     for node in gm.graph.nodes:
         src = node.meta.get("nnscaler_source")
         if not src or not src[1]:
@@ -361,6 +337,25 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         node.meta["frame_record"] = FrameRecord(
             filename, lineno, linecache.getline(filename, lineno).strip(),
             match.group(1) if match else "forward")
+
+
+def _drop_state_changes(gm: fx.GraphModule) -> None:
+    """Remove the nodes that change grad mode and autocast (`with torch.no_grad():`,
+    `torch.autocast(...)` in the forward, recorded by capture/global_state.py).
+
+    nnScaler says a node's context with its `op_context` metadata, which the metadata
+    run (the state nodes executing in their place) just recorded, and generates the
+    `with` blocks from it; the nodes themselves would call our internals from its
+    generated code."""
+    changes = {trace_patches.REAL_SET_GRAD_ENABLED, trace_patches._set_grad_enabled,
+               torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and node.target in changes and not [
+                user for user in node.users if user.target not in changes]:
+            for user in list(node.users):
+                gm.graph.erase_node(user)
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 class _CallableModule(types.ModuleType):

@@ -23,22 +23,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _peers() -> Path | None:
-    explicit = os.environ.get("NNSCALER_PEERS")
-    for candidate in ([Path(explicit)] if explicit else
-                      [REPO.parent / "shared" / "peers", REPO.parent.parent / "shared" / "peers"]):
-        if candidate.is_dir() and list(candidate.glob("nnscaler-*.tar.gz")):
-            return candidate
-    return None
+from nnscaler_peer import require_nnscaler  # noqa: E402
 
-
-if _peers() is None:
-    pytest.skip("../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found: "
-                "nothing to test against", allow_module_level=True)
-if importlib.util.find_spec("nnscaler.graph") is None:
-    pytest.skip("Microsoft nnScaler is not installed in this interpreter: `make test-nnscaler` "
-                "(run by `make test`) runs these tests in .venv-nnscaler",
-                allow_module_level=True)
+require_nnscaler()
 
 WHEELS = Path(os.environ.get("NNSCALER_WHEELS", REPO / "build" / "wheels"))
 OURS = "nnscaler-eval"

@@ -10,9 +10,7 @@ outputs and gradients are compared with eager in train and in eval mode.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -25,22 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 THIS_FILE = __file__
 
 
-def _peers() -> Path | None:
-    explicit = os.environ.get("NNSCALER_PEERS")
-    for candidate in ([Path(explicit)] if explicit else
-                      [REPO.parent / "shared" / "peers", REPO.parent.parent / "shared" / "peers"]):
-        if candidate.is_dir() and list(candidate.glob("nnscaler-*.tar.gz")):
-            return candidate
-    return None
+from nnscaler_peer import cpu_rank, peer_test_utils, require_nnscaler  # noqa: E402
 
-
-if _peers() is None:
-    pytest.skip("../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found: "
-                "nothing to test against", allow_module_level=True)
-if importlib.util.find_spec("nnscaler.graph") is None:
-    pytest.skip("Microsoft nnScaler is not installed in this interpreter: `make test-nnscaler` "
-                "(run by `make test`) runs these tests in .venv-nnscaler",
-                allow_module_level=True)
+require_nnscaler()
 
 import nnscaler  # noqa: E402  (nnScaler's package, extended with our names)
 from nnscaler import ComputeConfig  # noqa: E402
@@ -51,19 +36,6 @@ import nnscaler_eval  # noqa: E402
 import nnscaler_eval.register_op  # noqa: E402
 from nnscaler_eval.export import export as export_own_form  # noqa: E402
 from nnscaler_eval.parallelize import export_for_nnscaler, parallelize  # noqa: E402
-
-PEER_SRC = Path(os.environ.get("NNSCALER_PEER_SRC", REPO / "build" / "nnscaler-peer" / "nnscaler"))
-
-
-def _peer_test_utils():
-    """nnScaler's own test helpers (tests/utils.py of its source), loaded by path."""
-    path = PEER_SRC / "tests" / "utils.py"
-    assert path.is_file(), f"{path} missing: `make test-nnscaler` unpacks nnScaler's source there"
-    spec = importlib.util.spec_from_file_location("_nnscaler_peer_test_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def line_of(marker: str) -> int:
     with open(THIS_FILE) as source:
@@ -210,17 +182,8 @@ def _inputs(name):
 @pytest.fixture(scope="module")
 def cpu_nnscaler():
     """One gloo rank and nnScaler's CPU device helpers, for the whole module."""
-    utils = _peer_test_utils()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    with utils.replace_all_device_with("cpu"), utils.mock_cube_env(0, 1):
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            torch.distributed.destroy_process_group()
+    with cpu_rank():
+        yield
 
 
 def _leaves(value):

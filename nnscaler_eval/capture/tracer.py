@@ -29,6 +29,7 @@ from nnscaler_eval.runners import direct_calls
 from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, output, passed_objects, signals
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
+from nnscaler_eval.capture.python_values import DATA_VALUES, PythonValues, TrackedSize
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
@@ -69,6 +70,7 @@ def capture(
     call: Optional[Callable[[], Any]] = None,
     symbolic: Optional[symbolic_shapes.SymbolicInputs] = None,
     rebuild_objects: bool = False,
+    python_values: bool = False,
 ) -> Capture:
     """Run `fn` once for real on `slots`, recording it; see the package docstring.
 
@@ -81,10 +83,16 @@ def capture(
     follow symbolically raises `dynamic.Unsupported` at once (nothing runs for real).
     `rebuild_objects`: a KV cache the forward returns is built anew by the runner on
     every call (output.rebuildable); export has no such runner and refuses it.
+    `python_values` (export for nnScaler): the numbers, shapes and dicts that flow
+    from the inputs are graph values (capture/python_values.py); the forward is then
+    called with the slots as the tracer wrapped them (`call` must be None).
     """
     tracer = Tracer(fn, tuple(slots), tuple(slot_names), root=root, fullgraph=fullgraph,
                     symbolic=symbolic)
     tracer.rebuild_objects = rebuild_objects
+    if python_values:
+        tracer.python_values = PythonValues(tracer)
+        return tracer.run(tracer.call_with_slots)
     return tracer.run(call if call is not None else (lambda: fn(*slots)))
 
 
@@ -176,6 +184,9 @@ class Tracer(TorchFunctionMode):
         # One per thread: a capture nested in another's (a compiled submodule run
         # opaque) shares it, so that one mode sees each op, whatever the nesting.
         self.data_dependence = DataDependence.of_this_thread() if symbolic is None else None
+        # Numbers, shapes and dicts from the inputs as graph values (export for
+        # nnScaler; capture() sets it).
+        self.python_values: Optional[PythonValues] = None
 
     # -- state -----------------------------------------------------------------
 
@@ -321,6 +332,11 @@ class Tracer(TorchFunctionMode):
                     self.graph_break(hidden_tensors_reason(slot_name, leaf),
                                      location=self._forward_location())
                     return
+        if self.python_values is not None:
+            self.slots = tuple(
+                self.python_values.inputs(slot, name, index, self._input_placeholder)
+                if index > 0 or self.root is None else slot
+                for index, (slot, name) in enumerate(zip(self.slots, self.slot_names)))
         if self.symbolic is not None:
             # Symbolic int and float arguments are graph inputs (after the tensors).
             first = len(self.slots) - len(self.symbolic.values)
@@ -335,6 +351,27 @@ class Tracer(TorchFunctionMode):
             for module in self.root.modules():
                 self._swap_training(module)
             self._visit(self.root)
+
+    def _input_placeholder(self, name: str, example: Any, index: int, keys: tuple) -> fx.Node:
+        node = self.nodes.placeholder(name, example)
+        node.meta["nnscaler_input"] = InputPath(index, tuple(keys))
+        return node
+
+    def call_with_slots(self) -> Any:
+        """The forward called with `self.slots`, bound as CPython bound them: the
+        positional ones, `*args` spread, keyword-only ones and `**kwargs` by name."""
+        code = self.fn.__code__
+        positional = list(self.slots[: code.co_argcount])
+        at = code.co_argcount
+        kwonly = dict(zip(code.co_varnames[at: at + code.co_kwonlyargcount],
+                          self.slots[at: at + code.co_kwonlyargcount]))
+        at += code.co_kwonlyargcount
+        if code.co_flags & inspect.CO_VARARGS:
+            positional += list(self.slots[at])
+            at += 1
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            kwonly.update(self.slots[at])
+        return self.fn(*positional, **kwonly)
 
     def _forward_location(self) -> tuple[str, int]:
         code = getattr(self.fn, "__code__", None)
@@ -453,7 +490,9 @@ class Tracer(TorchFunctionMode):
         """A tracked number was used as a plain Python value."""
         if number.tracer is not self:
             return
-        if getattr(number, "data_dependent", False):
+        if getattr(number, "data_dependent", False) and self.python_values is None:
+            # (A value-keeping export takes this run's value, as nnScaler's concrete
+            # trace does: the graph holds the path taken.)
             self.graph_break(
                 "data-dependent value: a Python number computed from tensors "
                 "by an opaque op was used in Python"
@@ -640,6 +679,12 @@ class Tracer(TorchFunctionMode):
             return func(*[plain_value(a) for a in args], **kwargs)
         kind, target = calls.classify(func)
         if kind == "method" and target in calls.DATA_ACCESS:
+            if self.python_values is not None and target in DATA_VALUES:
+                result = func(*quiet_plain(args), **quiet_plain(kwargs))
+                try:
+                    return self.python_values.data_value(args, result)
+                except RecordingAborted:
+                    return result
             self.graph_break(calls.DATA_ACCESS[target])
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         if (target in calls.SHAPE_QUERIES or target is torch.numel) and self.nodes.dynamic_shape:
@@ -686,10 +731,9 @@ class Tracer(TorchFunctionMode):
         if signals.pending():
             signals.deliver()
         try:
-            self._record_call(func, kind, target, args, kwargs, result, dynamic)
+            return self._record_call(func, kind, target, args, kwargs, result, dynamic)
         except RecordingAborted:
-            pass
-        return result
+            return result
 
     def _record_call(
         self,
@@ -700,11 +744,13 @@ class Tracer(TorchFunctionMode):
         kwargs: dict[str, Any],
         result: Any,
         dynamic: Optional[str],
-    ) -> None:
+    ) -> Any:
         """Write the call as a node; `dynamic`: why its results' shapes depend on tensor
-        values, as the static run's witness found (None: ask the fakes, or the inputs)."""
+        values, as the static run's witness found (None: ask the fakes, or the inputs).
+        Returns what the forward gets: `result`, or a shape recorded as a graph value
+        (python_values)."""
         if result is NotImplemented:
-            return
+            return result
         if next(tensors_in(result), None) is None:
             verdict, reason = calls.tensorless_result(func, kind, target, result)
             if verdict == "metadata":
@@ -712,10 +758,15 @@ class Tracer(TorchFunctionMode):
                 for tensor in tensors_in(args):
                     if id(tensor) not in self.nodes.tensor_nodes:
                         self.metadata_tensors[id(tensor)] = tensor
-                return
+                if self.python_values is not None:
+                    recorded = self.python_values.query(func, kind, target, args, kwargs,
+                                                        result)
+                    if recorded is not None:
+                        return recorded
+                return result
             if verdict == "break":
                 self.graph_break(reason)
-                return
+                return result
         node_args, node_kwargs = self.graph_arg(args), self.graph_arg(kwargs)
         if kind == "method":
             node = self.create_node("call_method", target, node_args, node_kwargs)
@@ -747,8 +798,9 @@ class Tracer(TorchFunctionMode):
                 self.graph_break(f"data-dependent shape: {qualname(func)} of a tensor whose "
                                  f"shape depends on tensor values ({dynamic}) returned "
                                  f"{len(result)} results")
-                return
+                return result
         self.nodes.bind_result(result, node, dynamic)
+        return result
 
     # -- building nodes ------------------------------------------------------------
 
@@ -826,6 +878,10 @@ class Tracer(TorchFunctionMode):
             return self._local(self.modules.flag_node(value.module, self.nodes), value.value)
         if isinstance(value, _TrackedNumber):
             return self._local(value.node, value.plain) if value.tracer is self else value.plain
+        if isinstance(value, fx.Node):   # already a node of this graph (python_values)
+            return value
+        if isinstance(value, TrackedSize) and value.values.tracer is self:
+            return self._local(value.node, tuple(value))
         if isinstance(value, (tuple, list)):
             items = [self.graph_arg(v) for v in value]
             if isinstance(value, list):

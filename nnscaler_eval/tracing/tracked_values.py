@@ -19,6 +19,7 @@ no branch is recorded for it. Such code gets the traced mode's value baked in.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Optional
 
 from nnscaler_eval.tracing.trace_state import current_tracer
@@ -169,12 +170,39 @@ def holds_tracked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _specialising_method(base: type, name: str) -> Callable[..., Any]:
     base_method = _BY_PLAIN_TYPE.get(name) or getattr(base, name)
+    recorded = _RECORDED.get(name)
 
     def method(self: Any, *args: Any) -> Any:
+        if recorded is not None and isinstance(self, _TrackedNumber):
+            # A tracer that keeps Python values as graph values (export for
+            # nnScaler, capture/python_values.py) records the operator instead.
+            tracer = _recording_tracer(self.tracer)
+            if tracer is not None and getattr(tracer, "python_values", None) is not None:
+                function, reflected = recorded
+                operands = (args[0], self) if reflected else (self, *args)
+                return tracer.python_values.operator(function, operands)
         return base_method(self.specialise(), *[plain_value(a) for a in args])
 
     method.__name__ = name
     return method
+
+
+# Python's operators on tracked numbers that a value-keeping tracer records:
+# dunder -> (the operator, whether the number is the right operand).
+_RECORDED: dict[str, tuple[Callable[..., Any], bool]] = {
+    **{f"__{op}__": (getattr(operator, op), False)
+       for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lt", "le",
+                  "gt", "ge", "eq", "ne", "and_", "or_", "xor", "lshift", "rshift")
+       if not op.endswith("_")},
+    **{f"__r{op}__": (getattr(operator, op), True)
+       for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "lshift",
+                  "rshift")},
+    "__and__": (operator.and_, False), "__rand__": (operator.and_, True),
+    "__or__": (operator.or_, False), "__ror__": (operator.or_, True),
+    "__xor__": (operator.xor, False), "__rxor__": (operator.xor, True),
+    "__neg__": (operator.neg, False), "__pos__": (operator.pos, False),
+    "__abs__": (operator.abs, False), "__invert__": (operator.invert, False),
+}
 
 
 # Every dunder through which Python code can *look at* a number. Each one specialises

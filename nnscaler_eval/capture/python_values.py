@@ -1,0 +1,207 @@
+"""Python values computed from a forward's inputs, kept as graph values (export for
+nnScaler).
+
+nnScaler's generated module is called later with other inputs, and has no guards: a
+number an input decided, baked in as a constant, is a wrong answer then (`return out,
+y + 10` exported with y=1.0 returns 11.0 for every y).  nnScaler's own tracer wraps
+every value in a proxy and records Python's operators on it.  A tracer given a
+`PythonValues` (export_for_nnscaler's) does the same for the values that flow from
+the inputs:
+
+- int, float and bool arguments, at the top level and inside tuples, lists and dicts,
+  are placeholders (`inputs`), handed to the forward as `TrackedInt` / `TrackedFloat`;
+- Python's arithmetic, comparisons and bit operators on them record `operator` nodes
+  and return tracked numbers (`operator`, asked by tracked_values' dunders);
+- shape queries (`x.size()`, `x.shape`, `x.size(d)`) record a node and return a
+  `TrackedSize` or a tracked int; indexing and unpacking a TrackedSize record
+  `getitem` nodes (`query`);
+- `Tensor.item()` records `item` (`data_value`).  `float(t)`, `int(t)` and a tensor
+  used as an index cannot: Python turns what `__float__` returns into a plain float,
+  so such a value would be baked in; the export refuses it (tracer.py);
+- a dict argument is a `TrackedDict`: `d.get(k, default)` records `dict.get`.
+
+A use that needs the *plain* value (`if y > 0:`, `range(n)`, a dict key, a C function
+reading the int) takes the value of this run, as nnScaler's concrete trace does.
+Compiled captures (guarded, keyed by these values) never use this: they are
+specialised on them, soundly.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from nnscaler_eval.tracing.tracked_values import (
+    TrainingFlag,
+    TrackedFloat,
+    TrackedInt,
+    _TrackedNumber,
+    quiet_plain,
+)
+
+
+class TrackedSize(tuple):
+    """A shape the forward read (`x.size()`), with the node that computes it.
+
+    A tuple (torch.Size cannot be subclassed): torch's functions take it as a size;
+    indexing, slicing and unpacking it record `getitem` nodes."""
+
+    node: Any
+    values: "PythonValues"
+
+    def __new__(cls, sizes: Any, node: Any, values: "PythonValues") -> "TrackedSize":
+        size = super().__new__(cls, tuple(sizes))
+        size.node, size.values = node, values
+        return size
+
+    def __getitem__(self, index: Any) -> Any:
+        plain = tuple.__getitem__(self, index)
+        if not self.values.recording:
+            return plain
+        node = self.values.node(operator.getitem, (self.node, index))
+        if isinstance(index, slice):
+            return TrackedSize(plain, node, self.values)
+        return self.values.number(plain, node, ())
+
+    def __iter__(self) -> Any:
+        return iter([self[i] for i in range(len(self))])
+
+    def numel(self) -> Any:
+        return torch.Size(self).numel()
+
+    def __reduce__(self) -> Any:
+        return (tuple, (tuple(self),))
+
+
+class TrackedDict(dict):
+    """A dict argument: `get` records `dict.get` (a key it lacks today may be there in
+    a later call of the generated module)."""
+
+    node: Any
+    values: "PythonValues"
+
+    def get(self, key: Any, default: Any = None) -> Any:   # type: ignore[override]
+        found = dict.get(self, key, default)
+        if not self.values.recording:
+            return found
+        tracer = self.values.tracer
+        node = tracer.create_node("call_method", "get", tracer.graph_arg((self.node, key, default)),
+                                  {})
+        return self.values.rebound(found, node)
+
+
+class PythonValues:
+    """The value-keeping half of one tracer (see the module docstring)."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+
+    @property
+    def recording(self) -> bool:
+        return bool(self.tracer.recording)
+
+    def node(self, function: Callable[..., Any], args: tuple[Any, ...]) -> fx.Node:
+        """A call_function node of `function` on `args` (values or nodes)."""
+        return self.tracer.create_node("call_function", function,
+                                       self.tracer.graph_arg(args), {})
+
+    def number(self, value: Any, node: fx.Node, deps: tuple[Any, ...],
+               data_dependent: bool = False) -> Any:
+        """`value` as a tracked number standing for `node` (other values: as they are)."""
+        if isinstance(value, bool) or isinstance(value, int):
+            number: Any = TrackedInt(value, node, deps, self.tracer)
+        elif isinstance(value, float):
+            number = TrackedFloat(value, node, deps, self.tracer)
+        else:
+            return value
+        if data_dependent:
+            number.data_dependent = True
+        return number
+
+    def rebound(self, value: Any, node: fx.Node) -> Any:
+        """What a recorded call returned, standing for `node`: a tensor as a fresh alias
+        (the original keeps its own node), a number tracked."""
+        if isinstance(value, torch.Tensor):
+            with self.tracer.suspended():
+                alias = value.view_as(value)
+            self.tracer.nodes.map(alias, node, dynamic=self.tracer.nodes.dynamic_among(value))
+            return alias
+        return self.number(value, node, ())
+
+    # -- what the tracer and tracked numbers ask ------------------------------------
+
+    def operator(self, function: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+        """Python's `function` (an operator) on tracked numbers: recorded."""
+        plain = function(*quiet_plain(operands))
+        deps = tuple(dict.fromkeys(m for o in operands if isinstance(o, _TrackedNumber)
+                                   for m in o.deps))
+        data_dependent = any(getattr(o, "data_dependent", False) for o in operands)
+        node = self.node(function, operands)
+        return self.number(plain, node, deps, data_dependent)
+
+    def inputs(self, slot: Any, slot_name: str, index: int,
+               placeholder: Callable[[str, Any, int, tuple], fx.Node]) -> Any:
+        """The argument `slot` with its numbers tracked (placeholders through
+        `placeholder(name, value, index, keys)`) and its dicts TrackedDicts; the
+        slot itself when nothing in it is such a value."""
+        def wrap(value: Any, keys: tuple) -> Any:
+            if isinstance(value, TrainingFlag) or isinstance(value, _TrackedNumber):
+                return value
+            if isinstance(value, (bool, int, float)) and not isinstance(value, torch.Tensor):
+                name = slot_name + "".join(_suffix(k) for k in keys)
+                return self.number(value, placeholder(name, value, index, keys), ())
+            if type(value) is dict:
+                items = {k: wrap(v, keys + (pytree.MappingKey(k),)) for k, v in value.items()}
+                tracked = TrackedDict(items)
+                name = slot_name + "".join(_suffix(k) for k in keys)
+                tracked.node = placeholder(name, None, index, keys)
+                tracked.values = self
+                return tracked
+            if type(value) in (list, tuple):
+                items = [wrap(v, keys + (pytree.SequenceKey(i),)) for i, v in enumerate(value)]
+                if all(a is b for a, b in zip(items, value)):
+                    return value
+                return items if type(value) is list else tuple(items)
+            return value
+        return wrap(slot, ())
+
+    def query(self, func: Any, kind: str, target: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any], result: Any) -> Any:
+        """A shape query's result, recorded: `x.size()` / `x.shape` as a TrackedSize,
+        `x.size(d)` as a tracked int.  Other metadata stays a constant (None)."""
+        if kind == "getattr" and target == "shape":
+            node = self.tracer.create_node("call_function", builtins.getattr,
+                                           (self.tracer.graph_arg(args[0]), "shape"), {})
+        elif kind == "method" and target == "size":
+            node = self.tracer.create_node("call_method", "size",
+                                           self.tracer.graph_arg(args),
+                                           self.tracer.graph_arg(kwargs))
+        else:
+            return None
+        if isinstance(result, torch.Size):
+            return TrackedSize(result, node, self)
+        return self.number(result, node, ())
+
+    def data_value(self, args: tuple[Any, ...], result: Any) -> Any:
+        """`t.item()`: an `item` node, and its value tracked."""
+        node = self.tracer.create_node("call_method", "item",
+                                       (self.tracer.graph_arg(args[0]),), {})
+        return self.number(result, node, (), data_dependent=True)
+
+
+# Tensor methods that hand a tensor's value to Python and that a value-keeping tracer
+# records instead of refusing.
+DATA_VALUES = frozenset({"item"})
+
+
+def _suffix(key: Any) -> str:
+    if isinstance(key, pytree.MappingKey):
+        return f"_{key.key}"
+    if isinstance(key, pytree.SequenceKey):
+        return f"_{key.idx}"
+    return f"_{key}"

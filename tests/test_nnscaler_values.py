@@ -1,0 +1,152 @@
+"""What export_for_nnscaler keeps as graph values, checked where it matters: the module
+nnScaler generates from our graph, called later with *other* values than the traced
+ones, against eager.
+
+nnScaler's generated module has no guards.  A value the trace baked in is a wrong
+answer on its next call (`return out, y + 10` traced with y=1.0 returned 11.0 for every
+y).  So every value that flows from an argument (numbers, a tensor's shape, a dict's
+lookups, `Tensor.item()`) is a graph value, and the graph says grad mode and autocast
+as nnScaler's code generator wants them (node metadata, not calls of ours).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nnscaler_peer import cpu_rank, require_nnscaler
+
+require_nnscaler()
+
+import pytest  # noqa: E402
+from nnscaler import ComputeConfig  # noqa: E402
+
+from nnscaler_eval.parallelize import export_for_nnscaler, parallelize  # noqa: E402
+from oracle import assert_same  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cpu_nnscaler():
+    with cpu_rank():
+        yield
+
+
+def _generated(model, inputs, tmp_path):
+    """nnScaler's module for `model`, traced on `inputs` through our front end."""
+    return parallelize(model, inputs, "dp", ComputeConfig(1, 1), gen_savedir=str(tmp_path),
+                       load_module=True)
+
+
+class TupleReturn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 5)
+
+    def forward(self, x, y):
+        return self.linear(x) + y, y + 10
+
+
+class IntKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 5)
+
+    def forward(self, x, m=1, scale: float = 2.0):
+        return self.linear(x) * scale + m * 3 - (m // 2)
+
+
+class SizesFromShape(nn.Module):
+    def forward(self, batched_data):
+        data_x = batched_data["x"]
+        n_graph, n_node = data_x.size()[:2]
+        mask = data_x[:, :, 0].eq(0)
+        cls = torch.zeros(n_graph, 1, dtype=mask.dtype)
+        return torch.cat((cls, mask), dim=1), n_node * 2
+
+
+class DictGet(nn.Module):
+    def forward(self, batch: dict):
+        return batch["x"] + batch.get("y", batch["z"]) * batch.get("scale", 1.0)
+
+
+class Item(nn.Module):
+    def forward(self, a, b):
+        return b * a.item(), a.item() + 1
+
+
+class NoGradAutocast(nn.Module):
+    def __init__(self, autocast: bool = True):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8, 8))
+        self.autocast = autocast
+
+    def forward(self, x):
+        r1 = x @ self.w
+        with torch.no_grad():
+            r2 = r1 @ self.w
+            with torch.enable_grad():
+                r3 = r1 @ self.w
+            with torch.autocast("cpu", enabled=self.autocast):
+                r4 = (r2 * r3) @ self.w
+        return (r1 * r2 * r3 * r4.float()).sum()
+
+
+# (model, traced inputs, later inputs: other values of the same shapes and types)
+CASES = {
+    "tuple_return": (TupleReturn, {"x": torch.randn(2, 3), "y": 1.0},
+                     [{"x": torch.randn(2, 3), "y": 2.5}, {"x": torch.randn(2, 3), "y": -1.0}]),
+    "int_keyword": (IntKeyword, {"x": torch.randn(2, 3), "m": 0, "scale": 2.0},
+                    [{"x": torch.randn(2, 3), "m": 5, "scale": 0.5}]),
+    "sizes": (SizesFromShape, {"batched_data": {"x": torch.tensor([[[1.0], [0.0], [3.0]]])}},
+              [{"batched_data": {"x": torch.tensor([[[0.0], [2.0], [0.0]]])}}]),
+    "dict_get": (DictGet, {"batch": {"x": torch.ones(3), "z": torch.full((3,), 2.0)}},
+                 [{"batch": {"x": torch.ones(3), "y": torch.full((3,), 5.0),
+                             "z": torch.full((3,), 2.0), "scale": 3.0}}]),
+    "item": (Item, {"a": torch.tensor([5.0]), "b": torch.randn(3)},
+             [{"a": torch.tensor([-2.0]), "b": torch.randn(3)}]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_generated_module_computes_values_from_its_inputs(name, cpu_nnscaler, tmp_path):
+    make, traced, later = CASES[name]
+    model = make()
+    generated = _generated(model, traced, tmp_path)
+    for inputs in [traced, *later]:
+        assert_same(generated(**inputs), model(**inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_and_autocast_blocks_become_nnscalers_context(cpu_nnscaler, tmp_path):
+    """The graph says each node's grad mode and autocast state in its `op_context`
+    metadata (nnScaler generates the `with` blocks from it); no calls of ours remain.
+    (nnScaler's code generator writes CUDA autocast only, so the numbers are compared
+    with CPU autocast off.)"""
+    torch.manual_seed(0)
+    x = torch.rand(4, 8)
+    gm = export_for_nnscaler(NoGradAutocast(), x)
+    assert "set_grad_enabled" not in gm.code and "autocast" not in gm.code, gm.code
+    contexts = [n.meta["op_context"] for n in gm.graph.nodes if n.op != "placeholder"
+                and "op_context" in n.meta]
+    assert {c["grad_mode"]["grad_mode"] for c in contexts} == {True, False}
+    assert any(c["autocast_info"]["cpu_enabled"] for c in contexts)
+    model = NoGradAutocast(autocast=False)
+    generated = _generated(model, {"x": x}, tmp_path)
+    source = "\n".join(p.read_text() for p in tmp_path.rglob("gencode*.py"))
+    assert "torch.no_grad()" in source, source
+    for _ in range(2):
+        x = torch.rand(4, 8, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_(True)
+        got, want = generated(x), model(x2)
+        torch.testing.assert_close(got, want)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_the_graph_records_python_values():
+    gm = export_for_nnscaler(TupleReturn(), torch.randn(2, 3), 1.0)
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "y"]
+    assert "add_1 = y + 10" in gm.code, gm.code
+    gm = export_for_nnscaler(DictGet(), {"x": torch.ones(3), "z": torch.ones(3)})
+    assert ".get('y', " in gm.code and ".get('scale', 1.0)" in gm.code, gm.code
+    gm = export_for_nnscaler(Item(), torch.tensor([5.0]), torch.randn(3))
+    assert gm.code.count(".item()") == 2, gm.code
