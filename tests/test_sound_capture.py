@@ -23,23 +23,20 @@ import nnscaler
 from nnscaler_eval.tools.explain import _buckets
 from nnscaler_eval.capture import GraphBreakError
 from models import meddling_training
+from oracle import assert_same, same
 
 SCALE = 2.0
 GLOBAL_TENSOR = torch.ones(4)
 
 
 def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.allclose(a, b, atol=1e-6)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    return same(a, b, atol=1e-6)
 
 
 def check(compiled, eager_fn, *args):
     got = compiled(*args)
     want = eager_fn(*args)
-    assert _same(got, want), (got, want)
+    assert_same(got, want, atol=1e-6)
     return got
 
 
