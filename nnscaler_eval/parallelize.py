@@ -161,9 +161,10 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             target = "*" + param.name
         elif param.kind is inspect.Parameter.VAR_KEYWORD:
             target = "**" + param.name
-        if target.startswith("*") and bound.arguments.get(param.name):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL and bound.arguments.get(param.name):
+            # (nnScaler's tracer refuses them too: "*args is not supported")
             raise ExportError(f"export_for_nnscaler: {target} of {_forward_name(module)} is "
-                              "given values; nnScaler takes no *args/**kwargs inputs")
+                              "given values; nnScaler takes no *args inputs")
         param_nodes[param.name] = graph.placeholder(target)
 
     env: dict[fx.Node, fx.Node] = {}
@@ -178,6 +179,12 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                 attrs[target] = _fetch(module, target)
                 env[old] = graph.get_attr(target)
             else:
+                param = params[info.slot - 1] if 0 < info.slot <= len(params) else None
+                if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD:
+                    raise ExportError(
+                        f"export_for_nnscaler: the forward reads a tensor from **{param.name} "
+                        f"({_forward_name(module)}); nnScaler's generated code cannot read "
+                        f"from **kwargs: make it a named parameter")
                 node = param_nodes[result.slot_names[info.slot]]
                 for key in info.keys:
                     node = _key_access(graph, node, key)
@@ -309,6 +316,11 @@ _FRAME_NAME = re.compile(r", in (\S+)")
 
 
 class _MetadataInterpreter(fx.Interpreter):
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, str) and target.startswith("**"):
+            return next(self.args_iter)   # the dict, handed over as one input
+        return super().placeholder(target, args, kwargs)
+
     def run_node(self, n: fx.Node) -> Any:
         extract_metadata = microsoft_nnscaler.module("graph.tracer.metadata").extract_metadata
         value = super().run_node(n)

@@ -90,6 +90,24 @@ class NoGradAutocast(nn.Module):
         return (r1 * r2 * r3 * r4.float()).sum()
 
 
+class Kwargs(nn.Module):
+    """nnScaler keeps `**kwargs` as it is and documents what a forward reads from it
+    as undefined: its values are the traced ones, as with nnScaler's own tracer (its
+    conv tests read `groups` from there, with the same value in every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 5)
+
+    def forward(self, x, **kwargs):
+        return self.linear(x).data * kwargs.get("scale", 1.0) + kwargs["shift"]
+
+
+class ReturnsShape(nn.Module):
+    def forward(self, x):
+        return x * 2, x.shape
+
+
 # (model, traced inputs, later inputs: other values of the same shapes and types)
 CASES = {
     "tuple_return": (TupleReturn, {"x": torch.randn(2, 3), "y": 1.0},
@@ -103,6 +121,9 @@ CASES = {
                              "z": torch.full((3,), 2.0), "scale": 3.0}}]),
     "item": (Item, {"a": torch.tensor([5.0]), "b": torch.randn(3)},
              [{"a": torch.tensor([-2.0]), "b": torch.randn(3)}]),
+    "kwargs": (Kwargs, {"x": torch.randn(2, 3), "scale": 2.0, "shift": 1},
+               [{"x": torch.randn(2, 3), "scale": 2.0, "shift": 1}]),
+    "returns_shape": (ReturnsShape, {"x": torch.randn(2, 3)}, []),
 }
 
 
@@ -150,3 +171,26 @@ def test_the_graph_records_python_values():
     assert ".get('y', " in gm.code and ".get('scale', 1.0)" in gm.code, gm.code
     gm = export_for_nnscaler(Item(), torch.tensor([5.0]), torch.randn(3))
     assert gm.code.count(".item()") == 2, gm.code
+    gm = export_for_nnscaler(Kwargs(), torch.randn(2, 3), scale=2.0, shift=1)
+    assert "def forward(self, x, **kwargs)" in gm.code and "kwargs[" not in gm.code, gm.code
+    assert ".data" in gm.code and "_get_data" not in gm.code, gm.code
+    gm = export_for_nnscaler(ReturnsShape(), torch.randn(2, 3))
+    assert "x.shape" in gm.code and "getitem" not in gm.code, gm.code
+
+
+def test_a_tensor_read_from_kwargs_is_refused_with_the_reason():
+    class TensorInKwargs(nn.Module):
+        def forward(self, x, **kwargs):
+            return x + kwargs["bias"]
+
+    with pytest.raises(Exception, match=r"reads a tensor from \*\*kwargs"):
+        export_for_nnscaler(TensorInKwargs(), torch.ones(2), bias=torch.ones(2))
+
+
+def test_args_with_values_are_refused_as_nnscaler_refuses_them():
+    class Args(nn.Module):
+        def forward(self, x, *args):
+            return x + args[0]
+
+    with pytest.raises(Exception, match=r"\*args"):
+        export_for_nnscaler(Args(), torch.ones(2), torch.ones(2))

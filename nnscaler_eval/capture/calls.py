@@ -19,7 +19,7 @@ import inspect
 import operator
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -195,9 +195,7 @@ def classify(func: Callable[..., Any]) -> tuple[str, Any]:
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         descriptor = getattr(func, "__self__", None)
-        attr = getattr(descriptor, "__name__", None) or getattr(
-            getattr(descriptor, "fget", None), "__name__", None
-        )
+        attr = getattr(descriptor, "__name__", None) or _property_name(descriptor)
         if attr is not None:
             return ("getattr" if name == "__get__" else "setattr"), attr
     try:
@@ -209,6 +207,16 @@ def classify(func: Callable[..., Any]) -> tuple[str, Any]:
             return "operator", attribute
         return "method", attribute
     return "function", func
+
+
+def _property_name(descriptor: Any) -> Optional[str]:
+    """The name a Python property has on torch.Tensor (`data`, which state_guards puts
+    in front of torch's own), not its getter's (`_get_data`)."""
+    for cls in torch.Tensor.__mro__:
+        for attr, value in vars(cls).items():
+            if value is descriptor:
+                return attr
+    return getattr(getattr(descriptor, "fget", None), "__name__", None)
 
 
 def qualname(func: Callable[..., Any]) -> str:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import builtins
 import operator
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from nnscaler_eval.tracing.locations import is_library_file
 from nnscaler_eval.tracing.tracked_values import (
     TrainingFlag,
     TrackedFloat,
@@ -61,15 +63,21 @@ class TrackedSize(tuple):
 
     def __getitem__(self, index: Any) -> Any:
         plain = tuple.__getitem__(self, index)
-        if not self.values.recording:
+        # Only the user's indexing is recorded (ours and torch's read the sizes).
+        if not self.values.recording or is_library_file(sys._getframe(1).f_code.co_filename):
             return plain
+        return self._recorded(index, plain)
+
+    def __iter__(self) -> Any:
+        if not self.values.recording or is_library_file(sys._getframe(1).f_code.co_filename):
+            return tuple.__iter__(self)
+        return iter([self._recorded(i, tuple.__getitem__(self, i)) for i in range(len(self))])
+
+    def _recorded(self, index: Any, plain: Any) -> Any:
         node = self.values.node(operator.getitem, (self.node, index))
         if isinstance(index, slice):
             return TrackedSize(plain, node, self.values)
         return self.values.number(plain, node, ())
-
-    def __iter__(self) -> Any:
-        return iter([self[i] for i in range(len(self))])
 
     def numel(self) -> Any:
         return torch.Size(self).numel()

@@ -333,9 +333,14 @@ class Tracer(TorchFunctionMode):
                                      location=self._forward_location())
                     return
         if self.python_values is not None:
+            # Not `**kwargs`: nnScaler keeps it as it is and leaves what a forward reads
+            # from it undefined (its code generator cannot read from it): its values
+            # are this run's, as nnScaler's own trace takes them.
+            kwargs_slot = (len(self.slots) - 1 if self.fn is not None and
+                           self.fn.__code__.co_flags & inspect.CO_VARKEYWORDS else -1)
             self.slots = tuple(
                 self.python_values.inputs(slot, name, index, self._input_placeholder)
-                if index > 0 or self.root is None else slot
+                if (index > 0 or self.root is None) and index != kwargs_slot else slot
                 for index, (slot, name) in enumerate(zip(self.slots, self.slot_names)))
         if self.symbolic is not None:
             # Symbolic int and float arguments are graph inputs (after the tensors).
