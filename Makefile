@@ -13,6 +13,9 @@
 #                (needs valgrind; BENCH_IR_ARGS="--quick --cases inputs,gpt" ...)
 #   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
 #                .venv-nnscaler: install order/uninstall checks, parallelize end to end
+#   make gpu-check  on a machine with a GPU: build with its Python and torch
+#                (GPU_PY=python3), run tests/test_gpu.py and benchmarks/gpu.py, one
+#                report in GPU_OUT; without a GPU both skip cleanly
 PYTHON ?= python3
 PYV ?=
 ifeq ($(PYV),)
@@ -24,7 +27,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps \
+.PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps gpu-check \
 	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
@@ -171,6 +174,33 @@ bench-ir: build
 	@command -v valgrind >/dev/null 2>&1 || { \
 	  echo "error: bench-ir runs under valgrind's callgrind: apt-get install valgrind"; exit 1; }
 	$(PY) -m benchmarks.bench_ir $(BENCH_IR_ARGS)
+
+# The device machine has its own Python and torch and no package registry: GPU_PY
+# names its interpreter; a .devdeps folder (libxxhash-dev unpacked: `apt-get download
+# libxxhash-dev libxxhash0` and `dpkg -x` each into .devdeps, carried along) stands in
+# for the system headers.  The report: GPU_OUT/gpu-check.md.
+GPU_PY ?= $(PY)
+GPU_OUT ?= build/gpu-check
+gpu-check:
+	@mkdir -p $(GPU_OUT)
+	@deps=$(abspath .devdeps); \
+	if [ -d "$$deps" ]; then \
+	  export CPATH="$$deps/usr/include:$${CPATH:-}" \
+	         LIBRARY_PATH="$$deps/usr/lib/x86_64-linux-gnu:$${LIBRARY_PATH:-}" \
+	         LD_LIBRARY_PATH="$$deps/usr/lib/x86_64-linux-gnu:$${LD_LIBRARY_PATH:-}"; \
+	fi; \
+	if [ "$(GPU_PY)" = "$(PY)" ]; then $(MAKE) --no-print-directory build || exit 1; \
+	else $(GPU_PY) -m pip install -q --no-build-isolation --no-deps -e . || exit 1; \
+	  cp nnscaler_eval_ns.pth "$$($(GPU_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"; fi; \
+	report=$(GPU_OUT)/gpu-check.md; \
+	{ echo "# make gpu-check ($$(date -u +%FT%TZ))"; echo; \
+	  $(GPU_PY) -c 'import platform, torch; print("Python", platform.python_version(), "torch", torch.__version__, "CUDA", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'; \
+	  echo; echo "## tests/test_gpu.py"; echo; echo '```'; } > $$report; \
+	{ $(GPU_PY) -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1; \
+	  echo $$? > $(GPU_OUT)/tests.rc; } | tail -40 >> $$report; \
+	status=$$(cat $(GPU_OUT)/tests.rc); echo '```' >> $$report; echo >> $$report; \
+	$(GPU_PY) -m benchmarks.gpu $(GPU_ARGS) --out $(GPU_OUT)/gpu-bench.md > /dev/null || status=1; \
+	cat $(GPU_OUT)/gpu-bench.md >> $$report; cat $$report; exit $$status
 
 clean:
 	rm -rf build *.egg-info nnscaler_eval/_C*.so
