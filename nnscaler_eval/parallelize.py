@@ -257,6 +257,11 @@ def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
         raise ExportError(f"export_for_nnscaler: {construct} at {_where(node)} cannot be "
                           "expressed in nnScaler's graph (it has no conditional op); use "
                           "`a if self.training else b` or a registered op")
+    function_class = getattr(target, "__autograd_function__", None)
+    if function_class is not None:
+        # nnScaler knows a custom autograd op by `Cls.apply` itself, bound to its class
+        node.target = function_class.apply
+        return
     if getattr(target, "__nnscaler_op__", None) is not None or hasattr(target, "op_name"):
         runtime_fn = nnscaler_runtime_function(target)
         if runtime_fn is None:

@@ -194,3 +194,49 @@ def test_args_with_values_are_refused_as_nnscaler_refuses_them():
 
     with pytest.raises(Exception, match=r"\*args"):
         export_for_nnscaler(Args(), torch.ones(2), torch.ones(2))
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class UsesAutogradFunction(nn.Module):
+    def forward(self, x):
+        return _Scale.apply(x, 3.0) + 1
+
+
+def test_an_autograd_function_is_its_class_apply_for_nnscaler():
+    """nnScaler knows a custom autograd op by `Cls.apply`, bound to its class (it then
+    reports it as unregistered, or runs the op registered for it)."""
+    from nnscaler.graph.parser.parser import FxModuleParser
+
+    gm = export_for_nnscaler(UsesAutogradFunction(), torch.randn(3))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert any(getattr(t, "__self__", None) is _Scale and t.__name__ == "apply"
+               for t in targets), targets
+    _, ir_nodes, _ = FxModuleParser.parse(gm, {"x": torch.randn(3)}, save_content=False)
+    assert any("_Scale.apply" in str(getattr(n, "signature", "")) for n in ir_nodes)
+
+
+class MovesToDevice(nn.Module):
+    def forward(self, x):
+        return (x.to("cuda") + torch.ones(3, device="cuda")) * 2
+
+
+def test_a_patched_tensor_method_is_recorded_by_its_name():
+    """nnScaler's tests patch `torch.Tensor.to` (and constructors) to force CPU: the
+    export records the API by the name it replaced, as nnScaler's tracer does, so the
+    generated code calls whatever is bound there when it runs."""
+    from nnscaler_peer import peer_test_utils
+
+    with peer_test_utils().replace_all_device_with("cpu"):
+        gm = export_for_nnscaler(MovesToDevice(), torch.randn(3))
+        x = torch.randn(3)
+        assert_same(gm(x), (x + 1) * 2)
+    assert ".to(" in gm.code, gm.code

@@ -295,6 +295,32 @@ def undispatched_result(func: Any, args: tuple, kwargs: dict) -> Any:
         return original(*positional, **keywords)
 
 
+def replaced_api(func: Any) -> Optional[tuple[str, Any]]:
+    """Which torch API a user's wrapper replaced (a test helper's patch of
+    `torch.Tensor.to`, `F.dropout = wrapper`): ("method", name) for a Tensor method,
+    ("function", the original) for a function of torch's namespaces, or None.  Only
+    where torch's own dispatch named the wrapper: a graph that calls the API by that
+    name calls whatever is bound to it when it runs, as eager's code does."""
+    for attr, value in vars(torch.Tensor).items():
+        if value is func:
+            return "method", attr
+    for attr, value in vars(torch).items():
+        original = getattr(torch._C._VariableFunctions, attr, None)
+        if value is func and original is not None:
+            return "function", original
+    name = getattr(func, "__name__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "handle_torch_function":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    if caller is not None and caller.f_code.co_name == name and \
+            getattr(sys.modules.get(caller.f_globals.get("__name__", "")), name, None) is func:
+        # the original Python function (its code, in its module), as `undispatched_result`
+        # runs it
+        return "function", types.FunctionType(caller.f_code, caller.f_globals, name)
+    return None
+
+
 def takes_eval_fast_path(module: Any) -> bool:
     """`module` is a torch layer that eager runs through its fused eval path when it
     can (the plain bool `training`, read outside any trace)."""

@@ -671,9 +671,20 @@ class Tracer(TorchFunctionMode):
             # The user replaced a torch function (`F.dropout = wrapper`) and torch's own
             # dispatch named the replacement (the original looks itself up by global
             # name): which op it stands for is unknown, and its body runs untraced here.
-            self.graph_break(f"{qualname(func)} replaced a torch function and reached torch "
-                             "function dispatch")
-            return calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
+            # An export for nnScaler (no guards, called where the same patch may hold)
+            # records the API by its name instead, as nnScaler's tracer does.
+            replaced = calls.replaced_api(func) if self.python_values is not None else None
+            result = calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
+            if replaced is None or not self.recording:
+                self.graph_break(f"{qualname(func)} replaced a torch function and reached "
+                                 "torch function dispatch")
+                return result
+            kind, target = replaced
+            try:
+                return self._record_call(target if kind == "function" else func, kind,
+                                         target, args, kwargs, result, None)
+            except RecordingAborted:
+                return result
         if not self.recording:
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         if self.symbolic is not None and func in symbolic_shapes.SYMBOLIC_MATH:

@@ -400,6 +400,7 @@ def function_apply_target(cls: type) -> Callable[..., Any]:
 
         apply.__module__ = cls.__module__
         apply.__qualname__ = f"{cls.__qualname__}.apply"
+        apply.__autograd_function__ = cls  # type: ignore[attr-defined]
         _apply_targets[cls] = target = apply
     return target
 
