@@ -108,6 +108,16 @@ class ReturnsShape(nn.Module):
         return x * 2, x.shape
 
 
+class Settings:
+    def __init__(self, scale: float, shift: int) -> None:
+        self.scale, self.shift = scale, shift
+
+
+class ReadsAnObject(nn.Module):
+    def forward(self, x, settings):
+        return x * getattr(settings, "scale") + settings.shift
+
+
 # (model, traced inputs, later inputs: other values of the same shapes and types)
 CASES = {
     "tuple_return": (TupleReturn, {"x": torch.randn(2, 3), "y": 1.0},
@@ -124,6 +134,8 @@ CASES = {
     "kwargs": (Kwargs, {"x": torch.randn(2, 3), "scale": 2.0, "shift": 1},
                [{"x": torch.randn(2, 3), "scale": 2.0, "shift": 1}]),
     "returns_shape": (ReturnsShape, {"x": torch.randn(2, 3)}, []),
+    "object": (ReadsAnObject, {"x": torch.randn(3), "settings": Settings(2.0, 1)},
+               [{"x": torch.randn(3), "settings": Settings(-0.5, 7)}]),
 }
 
 
@@ -176,6 +188,13 @@ def test_the_graph_records_python_values():
     assert ".data" in gm.code and "_get_data" not in gm.code, gm.code
     gm = export_for_nnscaler(ReturnsShape(), torch.randn(2, 3))
     assert "x.shape" in gm.code and "getitem" not in gm.code, gm.code
+
+
+def test_an_object_passed_in_keeps_its_class():
+    settings = Settings(2.0, 1)
+    gm = export_for_nnscaler(ReadsAnObject(), torch.randn(3), settings)
+    assert type(settings) is Settings
+    assert gm.code.count("settings.") == 2 or "getattr" in gm.code, gm.code
 
 
 def test_a_tensor_read_from_kwargs_is_refused_with_the_reason():

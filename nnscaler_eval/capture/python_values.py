@@ -18,7 +18,10 @@ the inputs:
 - `Tensor.item()` records `item` (`data_value`).  `float(t)`, `int(t)` and a tensor
   used as an index cannot: Python turns what `__float__` returns into a plain float,
   so such a value would be baked in; the export refuses it (tracer.py);
-- a dict argument is a `TrackedDict`: `d.get(k, default)` records `dict.get`.
+- a dict argument is a `TrackedDict`: `d.get(k, default)` records `dict.get`;
+- an object of a plain Python class passed in has, for the length of the trace, a
+  subclass of its class whose attribute reads by user code record `getattr`
+  (`restore()` puts each object's class back, however the trace ends).
 
 A use that needs the *plain* value (`if y > 0:`, `range(n)`, a dict key, a C function
 reading the int) takes the value of this run, as nnScaler's concrete trace does.
@@ -108,6 +111,9 @@ class PythonValues:
 
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
+        # objects passed in whose class is swapped for a recording subclass: id ->
+        # (the object, its class, its node)
+        self.objects: dict[int, tuple[Any, type, fx.Node]] = {}
 
     @property
     def recording(self) -> bool:
@@ -175,8 +181,26 @@ class PythonValues:
                 if all(a is b for a, b in zip(items, value)):
                     return value
                 return items if type(value) is list else tuple(items)
+            if _plain_object(value) and id(value) not in self.objects:
+                name = slot_name + "".join(_suffix(k) for k in keys)
+                node = placeholder(name, None, index, keys)
+                self.objects[id(value)] = (value, type(value), node)
+                value.__class__ = _recording_class(type(value))
             return value
         return wrap(slot, ())
+
+    def attribute(self, obj: Any, name: str, value: Any) -> Any:
+        """`obj.name` read by user code from an object passed in: recorded."""
+        node = self.tracer.create_node("call_function", builtins.getattr,
+                                       (self.objects[id(obj)][2], name), {})
+        return self.rebound(value, node)
+
+    def restore(self) -> None:
+        """Every swapped object its own class back (idempotent)."""
+        for key, (obj, cls, _) in list(self.objects.items()):
+            if type(obj) is not cls:
+                obj.__class__ = cls
+            del self.objects[key]
 
     def query(self, func: Any, kind: str, target: Any, args: tuple[Any, ...],
               kwargs: dict[str, Any], result: Any) -> Any:
@@ -205,6 +229,47 @@ class PythonValues:
 # Tensor methods that hand a tensor's value to Python and that a value-keeping tracer
 # records instead of refusing.
 DATA_VALUES = frozenset({"item"})
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a user's plain Python class (its state in its __dict__, no
+    __slots__, not torch's, not a module, not a builtin type)."""
+    cls = type(value)
+    return (isinstance(getattr(value, "__dict__", None), dict)
+            and cls.__module__ not in ("builtins",) and not cls.__module__.startswith("torch")
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+            and cls.__flags__ & _HEAPTYPE and "__slots__" not in vars(cls)
+            and not is_library_file(getattr(sys.modules.get(cls.__module__), "__file__", None)
+                                    or "<unknown>"))
+
+
+_HEAPTYPE = 1 << 9
+_recording_classes: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of `cls` whose instances record the attributes user code reads (the
+    object's class while a value-keeping trace runs)."""
+    found = _recording_classes.get(cls)
+    if found is not None:
+        return found
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        value = super(recording, self).__getattribute__(name)
+        if name.startswith("__") or is_library_file(sys._getframe(1).f_code.co_filename):
+            return value
+        from nnscaler_eval.tracing.trace_state import current_tracer
+        tracer = current_tracer()
+        values = getattr(tracer, "python_values", None)
+        if values is None or not tracer.recording or id(self) not in values.objects:
+            return value
+        return values.attribute(self, name, value)
+
+    recording = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                            "__qualname__": cls.__qualname__,
+                                            "__module__": cls.__module__})
+    _recording_classes[cls] = recording
+    return recording
 
 
 def _suffix(key: Any) -> str:

@@ -291,6 +291,8 @@ class Tracer(TorchFunctionMode):
         final: bool = False
     ) -> None:
         """Undo what run() did to the process; each step idempotent."""
+        if self.python_values is not None:
+            self.python_values.restore()
         self.modules.restore_training()
         trace_patches.uninstall(self)
         # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
