@@ -34,6 +34,7 @@ swapped for `export_for_nnscaler` for the duration of the call.
 from __future__ import annotations
 
 import contextlib
+from collections import namedtuple
 import inspect
 import linecache
 import operator
@@ -308,11 +309,12 @@ def _output(result: Capture, flat: Any, env: dict[fx.Node, fx.Node],
     flat_new = [env[n] if isinstance(n, fx.Node) else n for n in flat]
     leaves = layout.leaf_values(flat_new.__getitem__,
                                 lambda slot: param_nodes[result.slot_names[slot]])
-    if _plain_structure(layout.spec):
+    if _plain_structure(layout.spec, named_tuples=True):
         return pytree.tree_unflatten(leaves, layout.spec)
-    raise ExportError(f"export_for_nnscaler: the forward returns a {layout.spec.type.__name__}"
-                      ", which nnScaler's graph cannot hold; return tensors, tuples, lists "
-                      "or dicts")
+    kind = layout.spec.context if layout.spec.type is namedtuple else layout.spec.type
+    raise ExportError(f"export_for_nnscaler: the forward returns a {kind.__name__}, which "
+                      "nnScaler's graph cannot hold as an output; return tensors, numbers "
+                      "and shapes in tuples (named ones too), lists or dicts with str keys")
 
 
 # -- nnScaler's metadata ---------------------------------------------------------------

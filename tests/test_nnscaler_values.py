@@ -259,3 +259,23 @@ def test_a_patched_tensor_method_is_recorded_by_its_name():
         x = torch.randn(3)
         assert_same(gm(x), (x + 1) * 2)
     assert ".to(" in gm.code, gm.code
+
+
+def test_named_tuple_and_structseq_outputs():
+    import collections
+
+    Pair = collections.namedtuple("Pair", "doubled bumped")
+
+    class NamedOut(nn.Module):
+        def forward(self, x):
+            return Pair(x * 2, x + 1)
+
+    class MaxOut(nn.Module):
+        def forward(self, x):
+            return x.max(dim=0)
+
+    x = torch.randn(3, 2)
+    gm = export_for_nnscaler(NamedOut(), x)
+    assert_same(tuple(gm(x)), (x * 2, x + 1))
+    gm = export_for_nnscaler(MaxOut(), x)
+    assert_same(tuple(gm(x)), tuple(x.max(dim=0)))
