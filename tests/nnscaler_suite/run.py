@@ -181,16 +181,16 @@ def main() -> int:
         print("SKIPPED the nnScaler suite: ../shared/peers/nnscaler-*.tar.gz not found")
         return 0
 
-    out = args.work / args.mode
+    out = args.work.resolve() / args.mode  # absolute: each file's pytest runs in src/
     src, home = out / "src", out / "home"  # home: autodist's profile cache (~/.cache)
     unpack_tests(Path(args.tarball), src)
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir()
     python, pythonpath = sys.executable, []
     if args.mode != "front-end":
-        pythonpath = [str(fixed_tracer_copy(python, args.work / "tracer-fixed"))]
+        pythonpath = [str(fixed_tracer_copy(python, out.parent / "tracer-fixed"))]
     if args.mode == "alone":
-        python = venv_without_us(python, args.work / "venv-alone")
+        python = venv_without_us(python, out.parent / "venv-alone")
     shutil.rmtree(out / "logs", ignore_errors=True)
     (out / "logs").mkdir()
 

@@ -133,12 +133,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _register_op_with_fallback(ours: Callable[..., Any]) -> Callable[..., Any]:
     from nnscaler.graph.parser.register import register_op as theirs
 
-    def refused(exc: Exception, args: tuple, kwargs: dict, fn: Any = None) -> None:
-        where = f"{fn.__module__}.{fn.__qualname__}" if fn is not None else "?"
+    def refused(exc: Exception, args: tuple, kwargs: dict, fn: Any) -> None:
+        where = f"{fn.__module__}.{fn.__qualname__}"
         annotation = args[0] if args else kwargs.get("annotation")
         _register_fallbacks.append(
             f"register_op({annotation!r}) for {where} refused by nnscaler-eval: "
-            f"{type(exc).__name__}: {exc}; registered with nnScaler's register_op instead")
+            f"{type(exc).__name__}: {str(exc).splitlines()[0]}; registered with nnScaler's "
+            "register_op instead")
 
     def register_op(*args: Any, **kwargs: Any) -> Any:
         if _collecting_closed():
@@ -146,8 +147,12 @@ def _register_op_with_fallback(ours: Callable[..., Any]) -> Callable[..., Any]:
         try:
             decorator = ours(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 -- every refusal is reported
-            refused(exc, args, kwargs)
-            return theirs(*args, **kwargs)
+            error = exc  # `exc` is unbound when the except block ends
+
+            def register_theirs(fn: Any) -> Any:  # nnScaler's register_op is a decorator
+                refused(error, args, kwargs, fn)
+                return theirs(*args, **kwargs)(fn)
+            return register_theirs
         if not callable(decorator) or hasattr(decorator, "__nnscaler_op__"):
             return decorator  # register_op(fn, ...): already registered
 
