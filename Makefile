@@ -13,6 +13,9 @@
 #                (needs valgrind; BENCH_IR_ARGS="--quick --cases inputs,gpt" ...)
 #   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
 #                .venv-nnscaler: install order/uninstall checks, parallelize end to end
+#   make test-nnscaler-suite  nnScaler's own tests with our capture as its front end
+#                (tests/nnscaler_suite/; NNSCALER_SUITE_ARGS="--mode installed" or
+#                "--mode alone" to compare with nnScaler's own tracer)
 #   make gpu-check  on a machine with a GPU: build with its Python and torch
 #                (GPU_PY=python3), run tests/test_gpu.py and benchmarks/gpu.py, one
 #                report in GPU_OUT; without a GPU both skip cleanly
@@ -28,7 +31,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps gpu-check \
-	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
+	test-nnscaler test-nnscaler-suite nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
 # fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
@@ -119,6 +122,17 @@ test-nnscaler:
 	  NNSCALER_WHEELS="$(abspath $(NNS_WHEELS))" \
 	  $(NNS_PY) -m pytest -q -ra -p no:cacheprovider tests/test_nnscaler_install.py tests/test_nnscaler_parallelize.py tests/test_nnscaler_saveload.py tests/test_nnscaler_values.py \
 	    tests/test_nnscaler_dynamic.py; \
+	fi
+
+# nnScaler's own test files that build a graph, run against our capture
+# (tests/nnscaler_suite/run.py says how; expected_failures.txt says which may fail).
+NNSCALER_SUITE_ARGS ?=
+test-nnscaler-suite:
+	@if [ -z "$(NNSCALER_TARBALL)" ]; then \
+	  echo "SKIPPED test-nnscaler-suite: ../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found"; \
+	else \
+	  $(MAKE) nnscaler-env && \
+	  $(NNS_PY) tests/nnscaler_suite/run.py --tarball "$(NNSCALER_TARBALL)" $(NNSCALER_SUITE_ARGS); \
 	fi
 
 asan: sysdeps
