@@ -342,6 +342,23 @@ def runs_opaque(module: nn.Module) -> bool:
     return _has_call_hooks(module) or _opaque_but_for_hooks(module)
 
 
+def forward_hooks_only(module: nn.Module) -> bool:
+    """Is `module` opaque for forward hooks alone (no pre-hooks, no backward or global
+    hooks, none that must run when the forward raises, nothing else of runs_opaque's)?"""
+    return bool(
+        module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
+        and not module._forward_hooks_always_called
+        and not module_globals._global_forward_hooks
+        and not module_globals._global_forward_pre_hooks
+        and not module_globals._global_backward_hooks
+        and not module_globals._global_backward_pre_hooks
+        and not _opaque_but_for_hooks(module)
+    )
+
+
 def opaque_for_hooks_only(module: nn.Module) -> bool:
     """Is `module` an opaque node only because it has hooks (its forward a target of
     its own, nothing else of runs_opaque's)?"""

@@ -29,6 +29,9 @@ class Fallback:
     reason: str
     filename: str
     lineno: int
+    # A later capture of the same call can do better (hook_nodes: forward hooks now
+    # followed): not cached, so the next call captures again.
+    retry: bool = False
 
     def __str__(self) -> str:
         return f"{self.reason} at {self.filename}:{self.lineno}"

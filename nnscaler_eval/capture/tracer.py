@@ -25,9 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import direct_calls
+from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.capture import calls, output, passed_objects, signals
+from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
 from nnscaler_eval.capture.python_values import DATA_VALUES, PythonValues, TrackedSize
 from nnscaler_eval.capture import dynamic as symbolic_shapes
@@ -422,6 +422,12 @@ class Tracer(TorchFunctionMode):
                 "runs a module with hooks",
                 location=self._forward_location(),
             )
+            if self.fallback is not None and any(
+                    before is MISSING_VALUE for _, _, before, _ in self.modules.writes.values()):
+                # An attribute set for the first time is lazy set-up (transformers marks
+                # a model whose output-capturing hooks it has just installed): done
+                # once, so a fallback kept for it would hold every later call eager.
+                self.fallback.retry = True
 
     # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
 
@@ -431,6 +437,9 @@ class Tracer(TorchFunctionMode):
         if signals.pending():
             signals.deliver()
         self._visit(module)
+        if calls.runs_opaque(module) and self.symbolic is None and self.branch is None \
+                and self.python_values is None and hook_nodes.followed(module):
+            return self._call_with_hook_nodes(module, args, kwargs)
         if calls.runs_opaque(module):
             if self.branch is not None:  # it would run for real, on fake tensors
                 self.graph_break(
@@ -596,6 +605,55 @@ class Tracer(TorchFunctionMode):
             for module in deps:
                 self.modules.note_branch(module, self.modules.flag_value(module))
         return result
+
+    def escaped_from_opaque(self) -> str:
+        """A tensor the trace never saw made reached it: if modules ran opaque for their
+        forward hooks, one of those may have handed it out (hook_nodes); follow their
+        hooks from the next capture on.  Words for the reason given."""
+        names = hook_nodes.escaped(self.modules.opaque)
+        if not names:
+            return ""
+        return (f" (made inside {', '.join(sorted(set(names)))}, run opaque for its "
+                "forward hooks: from the next capture its forward is traced and its "
+                "hooks run as graph nodes)")
+
+    def _call_with_hook_nodes(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`module(*args, **kwargs)` with its forward traced inline and each forward
+        hook one node, run for real on every call (capture/hook_nodes.py)."""
+        result = trace_patches.original_forward_call(module, *args, **kwargs)
+        if not self.recording:
+            return result
+        try:
+            module_node = self.graph_arg(module) if id(module) in self.nodes.module_paths \
+                else None
+            if module_node is None:
+                raise RecordingAborted
+            for hook_id, hook in list(module._forward_hooks.items()):
+                with_kwargs = hook_id in module._forward_hooks_with_kwargs
+                node_args = self.graph_arg((hook, module_node, args, kwargs, result,
+                                            with_kwargs))
+                # run as the node runs it (disarmed: its frames are not the trace's)
+                with self.suspended(tuple(module.modules())), self._witnessed() as witness:
+                    replaced = module_calls.run_forward_hook(
+                        hook, module, quiet_plain(args), quiet_plain(kwargs), result,
+                        with_kwargs)
+                node = self.create_node("call_function", module_calls.run_forward_hook,
+                                        node_args, {})
+                if replaced is result:
+                    # the same values, as fresh aliases standing for the node: what the
+                    # hook returns on a later call replaces them there
+                    replaced = pytree.tree_map_only(torch.Tensor, self._alias, result)
+                self.nodes.bind_result(replaced, node, witness.verdict(replaced))
+                result = replaced
+        except RecordingAborted:
+            pass
+        return result
+
+    def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.suspended():
+            return tensor.view_as(tensor)
 
     def _call_opaque_module(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -866,10 +924,13 @@ class Tracer(TorchFunctionMode):
             # One that module state held before the run (an earlier eager call cached
             # it) is state: a constant of the graph, held by reference, and its
             # module's dict (and the container it sits in) is guarded by identity.
+            escaped = self.escaped_from_opaque()
             self.graph_break(
                 "a tensor computed outside torch function dispatch "
-                f"({type(tensor.grad_fn).__name__}) reached the graph"
+                f"({type(tensor.grad_fn).__name__}) reached the graph" + escaped
             )
+            if escaped and self.fallback is not None:
+                self.fallback.retry = True
             raise RecordingAborted
         return self.nodes.constant_tensor(tensor)
 

@@ -561,6 +561,17 @@ def original_module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _call_at_depth(pending[1], _MODULE_CALL.saved, module, *args, **kwargs)
 
 
+def original_forward_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`module.forward(...)` in place of `nn.Module.__call__` (whose hooks the caller
+    runs itself: capture/hook_nodes.py), at that call's recursion depth."""
+    pending = getattr(_call_depth, "pending", None)
+    forward = module.forward
+    if pending is None or pending[0] != id(module):
+        return forward(*args, **kwargs)
+    _call_depth.pending = None
+    return _call_at_depth(pending[1], forward, *args, **kwargs)
+
+
 def install(owner: Any) -> None:
     """`owner` (a tracer) enters its trace: the patches go in with the first owner.
 
