@@ -33,6 +33,7 @@ swapped for `export_for_nnscaler` for the duration of the call.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections import namedtuple
 import inspect
@@ -168,7 +169,7 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                               "given values; nnScaler takes no *args inputs")
         param_nodes[param.name] = graph.placeholder(target)
 
-    env: dict[fx.Node, fx.Node] = {}
+    env = _Env(graph)
     attrs: dict[str, Any] = {}
     flags = iter(result.training_inputs)
     for old in source.graph.nodes:
@@ -187,9 +188,12 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                         f"({_forward_name(module)}); nnScaler's generated code cannot read "
                         f"from **kwargs: make it a named parameter")
                 node = param_nodes[result.slot_names[info.slot]]
-                for key in info.keys:
-                    node = _key_access(graph, node, key)
-                env[old] = node
+                if info.keys:
+                    # `sample['y']` where the forward first reads it, as nnScaler's
+                    # tracer records it (its graph's order is the forward's)
+                    env.deferred[old] = (node, info.keys)
+                else:
+                    env[old] = node
             continue
         if old.op == "output":
             flat = old.args[0]
@@ -206,6 +210,11 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             raise ExportError(f"export_for_nnscaler: {new.target} is called as an opaque "
                               f"module (it has hooks) at {_where(old)}; nnScaler's parser "
                               "needs its forward traced: remove the hooks to export")
+    _drop_unused_reads(graph)
+    for node in graph.nodes:
+        # nnScaler's tracer gives every node its module scope, empty at the root (the
+        # tracer sets it on the nodes it records; those made here are the root's)
+        node.meta.setdefault("nn_module_stack", collections.OrderedDict())
     graph.lint()
     gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
     keep_buffer_persistence(gm, module)
@@ -217,6 +226,31 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                       "for `if` statements); write `a if self.training else b` to keep both",
                       stacklevel=4)
     return gm
+
+
+# Nodes that only read a value (an item of an op's outputs, a shape, Python's operators
+# on numbers): with no users they are dropped, as nnScaler's tracer drops them, so that
+# `(n, _) = x.shape` or an output left unpacked adds no operator to nnScaler's graph.
+_READ_METHODS = frozenset({"size", "get", "item", "dim"})
+_READ_FUNCTIONS = frozenset({
+    getattr, operator.getitem, operator.add, operator.sub, operator.mul,
+    operator.truediv, operator.floordiv, operator.mod, operator.pow, operator.neg,
+    operator.pos, operator.abs, operator.eq, operator.ne, operator.lt, operator.le,
+    operator.gt, operator.ge, operator.and_, operator.or_, operator.xor,
+    operator.invert, operator.not_, operator.lshift, operator.rshift,
+})
+
+
+def _drop_unused_reads(graph: fx.Graph) -> None:
+    for node in reversed(graph.nodes):
+        if node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if node.op == "call_method":
+            pure = node.target in _READ_METHODS
+        else:
+            pure = node.target in _READ_FUNCTIONS
+        if pure:
+            graph.erase_node(node)
 
 
 def _forward_name(module: nn.Module) -> str:
@@ -236,6 +270,24 @@ def _fetch(module: nn.Module, target: str, fallback: Optional[nn.Module] = None)
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+class _Env(dict):
+    """The new graph's node for each node of the capture's; an input read from inside
+    an argument (`deferred`: its argument's node and the keys) gets its getitem nodes
+    when a node first uses it."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.deferred: dict[fx.Node, tuple[fx.Node, tuple]] = {}
+
+    def __missing__(self, old: fx.Node) -> fx.Node:
+        node, keys = self.deferred.pop(old)
+        for key in keys:
+            node = _key_access(self.graph, node, key)
+        self[old] = node
+        return node
 
 
 def _key_access(graph: fx.Graph, node: fx.Node, key: Any) -> fx.Node:
@@ -329,9 +381,19 @@ class _MetadataInterpreter(fx.Interpreter):
         return super().placeholder(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        extract_metadata = microsoft_nnscaler.module("graph.tracer.metadata").extract_metadata
+        metadata = microsoft_nnscaler.module("graph.tracer.metadata")
+        extract_metadata = metadata.extract_metadata
+        # the node's op context as it was when the trace made it (`with
+        # nnscaler.constant_folding():` in the forward); _add_metadata puts it back after
+        metadata._GLOBAL_OP_CONTEXT.constant_folding = n.meta.get("nnscaler_constant_folding")
         value = super().run_node(n)
-        extract_metadata(value, n)
+        if n.op == "call_function" and n.target is operator.setitem \
+                and isinstance(n.args[0], fx.Node):
+            # as nnScaler's tracer records it: the tensor written into, which its
+            # to_fx_graph then makes setitem's result (SSA)
+            extract_metadata(self.env[n.args[0]], n)
+        else:
+            extract_metadata(value, n)
         return value
 
 
@@ -345,7 +407,12 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         name = node.target.lstrip("*")
         value = bound.arguments.get(name)
         inputs.append(value)
-    _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    context = microsoft_nnscaler.module("graph.tracer.metadata")._GLOBAL_OP_CONTEXT
+    before = context.constant_folding
+    try:
+        _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    finally:
+        context.constant_folding = before
     _drop_state_changes(gm)
     for node in gm.graph.nodes:
         src = node.meta.get("nnscaler_source")

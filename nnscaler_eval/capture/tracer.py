@@ -10,6 +10,7 @@ output and the Capture (output).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -29,7 +30,7 @@ from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
-from nnscaler_eval.capture.python_values import DATA_VALUES, PythonValues, TrackedSize
+from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
@@ -187,6 +188,9 @@ class Tracer(TorchFunctionMode):
         # Numbers, shapes and dicts from the inputs as graph values (export for
         # nnScaler; capture() sets it).
         self.python_values: Optional[PythonValues] = None
+        # A submodule run opaque while its node is made, as (path, class): the last
+        # entry of that node's `nn_module_stack` (python_values only).
+        self.module_stack: list[tuple[str, type]] = []
 
     # -- state -----------------------------------------------------------------
 
@@ -446,8 +450,44 @@ class Tracer(TorchFunctionMode):
                     f"a submodule with hooks ({type(module).__name__}) cannot be called in "
                     "a torch.cond branch"
                 )
-            return self._call_opaque_module(module, args, kwargs)
+            with self._in_module(module):
+                return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _in_module(self, module: nn.Module) -> Iterator[None]:
+        """The node made meanwhile is `module`'s own (nnScaler's `nn_module_stack`)."""
+        path = (self.nodes.module_paths.get(id(module)) if self.python_values is not None
+                else None)
+        if not path:
+            yield
+            return
+        self.module_stack.append((path, type(module)))
+        try:
+            yield
+        finally:
+            self.module_stack.pop()
+
+    def _module_scope(self) -> collections.OrderedDict:
+        """The submodules whose `forward` is running, outermost first, path -> class,
+        as nnScaler's tracer gives each node (`nn_module_stack`): read off the Python
+        stack, so that `self.encoder.forward(x)`, which nnScaler's tracer wraps too,
+        counts like `self.encoder(x)`."""
+        paths = self.nodes.module_paths
+        found: list[tuple[str, type]] = []
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "forward" and code.co_argcount:
+                module = frame.f_locals.get(code.co_varnames[0])
+                path = paths.get(id(module)) if isinstance(module, nn.Module) else None
+                if path:
+                    found.append((path, type(module)))
+            frame = frame.f_back
+        scope = collections.OrderedDict(reversed(found))
+        for path, cls in self.module_stack:
+            scope.setdefault(path, cls)
+        return scope
 
     def on_module_created(self, module: nn.Module) -> None:
         self.modules.created.add(id(module))
@@ -587,6 +627,10 @@ class Tracer(TorchFunctionMode):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
                 node.meta["nnscaler_opaque"] = True
                 self.nodes.bind_result(result, node, dynamic)
+                if self.python_values is not None and type(result) in (tuple, list) \
+                        and any(is_number(item) for item in result):
+                    # `y, _, n = op(x)`: the number is the op's output, not a constant
+                    return self.python_values.sequence(result, node)
                 return result
             if is_number(result):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
@@ -594,6 +638,12 @@ class Tracer(TorchFunctionMode):
                 number = tracked(result, node, deps, self)
                 number.data_dependent = inputs_have_tensors  # type: ignore[attr-defined]
                 return number
+            if self.python_values is not None and type(result) in (tuple, list):
+                # nnScaler keeps what its op returned as the op's value (its annotation
+                # says how many outputs the op has): one node, items read by getitem
+                node = self.create_node("call_function", fn, node_args, node_kwargs)
+                node.meta["nnscaler_opaque"] = True
+                return self.python_values.sequence(result, node)
         except RecordingAborted:
             return result
         if inputs_have_tensors:
@@ -885,6 +935,11 @@ class Tracer(TorchFunctionMode):
         self.sync_global_state()
         node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
         record_source(node)
+        if self.python_values is not None:
+            # as nnScaler's tracer sets it: each submodule's path and class, outermost
+            # first (its autodist groups operators by it)
+            node.meta["nn_module_stack"] = self._module_scope()
+            node.meta["nnscaler_constant_folding"] = self.python_values.node_context()
         return node
 
     def _ifexpr_node(self, module: nn.Module, true_value: Any, false_value: Any) -> fx.Node:
@@ -959,8 +1014,8 @@ class Tracer(TorchFunctionMode):
             return self._local(value.node, value.plain) if value.tracer is self else value.plain
         if isinstance(value, fx.Node):   # already a node of this graph (python_values)
             return value
-        if isinstance(value, TrackedSize) and value.values.tracer is self:
-            return self._local(value.node, tuple(value))
+        if isinstance(value, TRACKED_SEQUENCES) and value.tracking.tracer is self:
+            return self._local(value.node, value._base(value))
         if isinstance(value, (tuple, list)):
             items = [self.graph_arg(v) for v in value]
             if isinstance(value, list):
