@@ -442,7 +442,7 @@ cache_flag_read(FlagRead *r, PyObject *module)
     PyObject *flag = read_training(module, &from_dict);
     /* From its own __dict__ (then no Python ran), under a class with a version tag. */
     if (flag != NULL && from_dict != NULL && type->tp_version_tag != 0) {
-#ifdef NNS_PY311
+#ifndef NNS_DICT_CLOCK
         const uint64_t version = nns_dict_version(from_dict);
         const int watched = 1;
 #else

@@ -205,7 +205,7 @@ cache_flag(FlagRead *r, PyObject *module, uint64_t *clock)
      * same __dict__, so it is alive and may be read; unchanged since the read. */
     if (type == r->type && r->tag != 0 && type->tp_version_tag == r->tag &&
         nns_object_dict_at(module, r->offset) == r->dict &&
-#ifdef NNS_PY311
+#ifndef NNS_DICT_CLOCK
         nns_dict_version(r->dict) == r->version
 #else
         *clock != 0 && *clock == r->version

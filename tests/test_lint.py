@@ -20,9 +20,20 @@ def in_compat(path: pathlib.Path) -> bool:
     return path.parent == COMPAT
 
 
-def test_py_version_hex_only_in_compat_files():
+def test_py_version_hex_only_in_the_version_header():
+    """CPython versions are told apart in one place, compat/compat_versions.h; the
+    rest of the layer tests the names it defines."""
     offenders = [p.name for p in C_FILES
-                 if "PY_VERSION_HEX" in p.read_text() and not in_compat(p)]
+                 if "PY_VERSION_HEX" in p.read_text() and p != COMPAT / "compat_versions.h"]
+    assert offenders == []
+
+
+def test_version_names_tested_only_in_the_version_layer():
+    """The shim and the guards reach version differences through the layer's names
+    (nns_*, NNS_DICT_TAGS_MONOTONIC), never by testing the version themselves."""
+    pattern = re.compile(r"#\s*(?:if|ifdef|ifndef|elif)\b[^\n]*\bNNS_PY(?:3\d+|_MINOR)\b")
+    offenders = sorted(p.name for p in C_FILES
+                       if not in_compat(p) and pattern.search(p.read_text()))
     assert offenders == []
 
 
@@ -90,7 +101,7 @@ def test_the_version_layer_depends_on_nothing_above_it():
 # and its object-level half compat_objects.h; their functions are in compat/*.c).  Every
 # file may use the layer; it is not a node of the graph below.  A new header without a
 # same-named source must be added here.
-LAYER_HEADERS = {"compat.h", "compat_objects.h"}
+LAYER_HEADERS = {"compat.h", "compat_objects.h", "compat_versions.h"}
 
 
 def _project_includes(path: pathlib.Path) -> set[str]:
@@ -185,13 +196,13 @@ def test_no_unfinished_markers():
 
 
 def test_one_version_file_per_minor_each_naming_its_audited_release():
-    compat_h = (COMPAT / "compat_objects.h").read_text()   # the version tests
+    compat_h = (COMPAT / "compat_versions.h").read_text()   # the version tests
     minors = sorted(int(m) for m in re.findall(r"#\s*define NNS_PY3(\d+) 1", compat_h))
     assert minors == [11, 12, 13, 14]
     for minor in minors:
         text = (COMPAT / f"compat_py3{minor}.c").read_text()
         head = text[:text.index("*/")]
-        # "Audited against CPython v3.13.15" / "Written from CPython v3.12.7's sources"
+        # "Audited against CPython v3.13.15"
         assert re.search(rf"CPython v3\.{minor}\.\d+", head), f"compat_py3{minor}.c"
         assert f"#ifdef NNS_PY3{minor}" in text
     # anything past the audited versions stops the build
