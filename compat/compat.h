@@ -212,7 +212,7 @@ void nns_recursion_credit(PyThreadState *ts, int units);
  * the C counter, or not counted). */
 extern const int nns_recursion_builtin_call_units;
 
-/* ---- bytecode tables (filled per version) ---- */
+/* ---- bytecode tables (compat_opcodes.c: one for every version) ---- */
 typedef struct {
     int cache_entries[256];   /* inline CACHE code units after each opcode */
     /* opcode numbers this project emits or matches; -1 when absent in a version */
@@ -257,7 +257,7 @@ int nns_opcode_is_call(int opcode);
 /* Opcodes that store or delete a name (side effects a rewritten branch may not have). */
 int nns_opcode_is_store(int opcode);
 
-/* ---- code-object details that moved between versions ---- */
+/* ---- code-object details that moved between versions (compat_opcodes.c) ---- */
 /* Name of fast-locals slot `index` (the oparg of LOAD_FAST / LOAD_DEREF /
  * LOAD_CLASSDEREF): a local, cell or free variable.  Borrowed; NULL when out of
  * range. */

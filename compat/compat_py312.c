@@ -14,14 +14,10 @@
  *                                      static in 3.12, mirrored below)
  *   Python/frame.c                    (_PyFrame_ClearExceptCode)
  *   Python/pystate.c                  (_PyThreadState_PopFrame, not exported)
- *   Lib/opcode.py                     (_cache_format; hasjrel)
- * What changed from 3.11: f_func -> f_funcobj, is_entry gone; the evaluator clears
- * and pops frames (an evaluator that does not run one must do it itself); PRECALL,
- * LOAD_METHOD, POP_JUMP_FORWARD/BACKWARD_* and JUMP_IF_*_OR_POP are gone
- * (POP_JUMP_IF_* are forward jumps); RETURN_CONST, END_FOR, LOAD_FAST_CHECK,
- * LOAD_SUPER_ATTR, INSTRUMENTED_* added; LOAD_CLASSDEREF is gone; LOAD_ATTR's name
- * index is oparg >> 1; cache sizes changed; small exit blocks are copied into the
- * branches jumping to them; location entries cover runs of equal locations.
+ * What changed from 3.11 that this file handles: f_func -> f_funcobj, is_entry
+ * gone; the evaluator clears and pops frames (an evaluator that does not run one
+ * must do it itself); the recursion counter counts Python frames only.  The
+ * bytecode's changes are in compat_opcodes.c, written once for every version.
  */
 #include "compat.h"
 
@@ -30,7 +26,6 @@
 #define Py_BUILD_CORE 1
 #include <internal/pycore_frame.h>
 #undef Py_BUILD_CORE
-#include <opcode.h>
 
 PyCodeObject *
 nns_frame_code(NnsFrame *frame)
@@ -111,144 +106,6 @@ int
 nns_thread_in_trace_callback(PyThreadState *ts)
 {
     return ts->tracing > 0;
-}
-
-/* Lib/opcode.py, _cache_format, v3.12.7 */
-const NnsOpcodes nns_opcodes = {
-    .cache_entries = {
-        [LOAD_GLOBAL] = 4, [BINARY_OP] = 1, [UNPACK_SEQUENCE] = 1, [COMPARE_OP] = 1,
-        [BINARY_SUBSCR] = 1, [FOR_ITER] = 1, [LOAD_SUPER_ATTR] = 1, [LOAD_ATTR] = 9,
-        [STORE_ATTR] = 4, [CALL] = 3, [STORE_SUBSCR] = 1, [SEND] = 1,
-    },
-    .op_cache = CACHE,
-    .op_extended_arg = EXTENDED_ARG,
-    .op_nop = NOP,
-    .op_load_fast = LOAD_FAST,
-    .op_load_deref = LOAD_DEREF,
-    .op_load_classderef = -1,
-    .op_load_attr = LOAD_ATTR,
-    .op_load_const = LOAD_CONST,
-    .op_load_fast_check = LOAD_FAST_CHECK,
-    .op_load_fast_borrow = -1,
-    .op_load_fast_load_fast = -1,
-    .op_load_fast_borrow_load_fast_borrow = -1,
-    .op_pop_jump_forward_if_false = POP_JUMP_IF_FALSE,
-    .op_pop_jump_forward_if_true = POP_JUMP_IF_TRUE,
-    .op_to_bool = -1,
-    .op_not_taken = -1,
-    .op_jump_forward = JUMP_FORWARD,
-    .op_jump_backward = JUMP_BACKWARD,
-    .op_jump_backward_no_interrupt = JUMP_BACKWARD_NO_INTERRUPT,
-    .op_push_null = PUSH_NULL,
-    .op_precall = -1,
-    .op_call = CALL,
-    .op_call_function_ex = CALL_FUNCTION_EX,
-    .op_swap = SWAP,
-    .op_store_fast = STORE_FAST,
-    .op_kw_names = KW_NAMES,
-    .op_copy = COPY,
-    .op_jump_if_true_or_pop = -1,
-    .op_jump_if_false_or_pop = -1,
-    .call_null_below_callable = 1,
-    .op_pop_top = POP_TOP,
-    .exit_blocks_copied = 1,
-    .linetable_merges_runs = 1,
-    .have_argument = HAVE_ARGUMENT,
-};
-
-int
-nns_opcode_jump_kind(int opcode, int *unconditional)
-{
-    *unconditional = 0;
-    switch (opcode) {
-    case JUMP_FORWARD:
-        *unconditional = 1;
-        return 1;
-    case FOR_ITER:
-    case POP_JUMP_IF_FALSE:
-    case POP_JUMP_IF_TRUE:
-    case POP_JUMP_IF_NONE:
-    case POP_JUMP_IF_NOT_NONE:
-    case SEND:
-        return 1;
-    case JUMP_BACKWARD:
-    case JUMP_BACKWARD_NO_INTERRUPT:
-        *unconditional = 1;
-        return 2;
-    default:
-        return 0;
-    }
-}
-
-int
-nns_opcode_is_terminator(int opcode)
-{
-    switch (opcode) {
-    case RETURN_VALUE:
-    case RETURN_CONST:
-    case RAISE_VARARGS:
-    case RERAISE:
-    case JUMP_FORWARD:
-    case JUMP_BACKWARD:
-    case JUMP_BACKWARD_NO_INTERRUPT:
-        return 1;
-    default:
-        return 0;
-    }
-}
-
-int
-nns_opcode_stack_effect(int opcode, int oparg, int jump)
-{
-    return PyCompile_OpcodeStackEffectWithJump(opcode, oparg, jump);
-}
-
-int
-nns_opcode_is_call(int opcode)
-{
-    return opcode == CALL || opcode == CALL_FUNCTION_EX;
-}
-
-int
-nns_opcode_is_store(int opcode)
-{
-    switch (opcode) {
-    case STORE_FAST: case STORE_NAME: case STORE_GLOBAL: case STORE_DEREF:
-    case STORE_ATTR: case STORE_SUBSCR: case STORE_SLICE: case DELETE_FAST:
-    case DELETE_NAME: case DELETE_GLOBAL: case DELETE_DEREF: case DELETE_ATTR:
-    case DELETE_SUBSCR: case IMPORT_NAME: case IMPORT_FROM: case YIELD_VALUE:
-    case SEND: case GET_AWAITABLE: case BEFORE_WITH: case BEFORE_ASYNC_WITH:
-        return 1;
-    default:
-        return 0;
-    }
-}
-
-PyObject *
-nns_code_localsplus_name(PyCodeObject *code, int index)
-{
-    PyObject *names = code->co_localsplusnames;
-    if (index < 0 || index >= PyTuple_GET_SIZE(names)) {
-        return NULL;
-    }
-    return PyTuple_GET_ITEM(names, index);
-}
-
-int
-nns_load_attr_name_index(int oparg)
-{
-    return oparg >> 1;   /* bit 0: push a method and its self */
-}
-
-int
-nns_code_entry_stack_depth(PyCodeObject *code)
-{
-    /* As the compiler's stack-depth pass starts generator-like code: one value (the
-     * one it is resumed with) unless RETURN_GENERATOR's table effect counts it. */
-    if (!(code->co_flags & (CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR))) {
-        return 0;
-    }
-    return 1 - PyCompile_OpcodeStackEffect(RETURN_GENERATOR, 0);
 }
 
 /* Include/cpython/pystate.h (v3.12.1): py_recursion_remaining counts down from
