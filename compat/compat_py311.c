@@ -41,56 +41,11 @@ nns_frame_is_generator(NnsFrame *frame)
     return frame->owner == FRAME_OWNED_BY_GENERATOR;
 }
 
-PyObject *
-nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
-{
-    nns_frame_run_mark_handed(frame);
-    return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
-}
-
 void
 nns_frame_clear_and_pop(PyThreadState *Py_UNUSED(ts), NnsFrame *Py_UNUSED(frame))
 {
     /* 3.11: _PyEval_Vector clears and pops the frame after the evaluator returns,
      * whether or not the evaluator ran it (Python/ceval.c, _PyEval_Vector). */
 }
-
-int
-nns_thread_in_trace_callback(PyThreadState *ts)
-{
-    /* tstate->tracing is raised while a trace/profile function runs. */
-    return ts->tracing > 0;
-}
-
-/* nns_dict_version: inline in compat_objects.h on 3.11. */
-
-uint64_t
-nns_dict_clock(void)
-{
-    return 0;
-}
-
-int
-nns_dict_watched(PyObject *Py_UNUSED(dict))
-{
-    return 0;
-}
-
-/* Include/cpython/pystate.h (v3.11.7): recursion_remaining counts down from
- * recursion_limit; Python frames (_Py_EnterRecursivePy) and C recursive calls
- * (_Py_EnterRecursiveCallTstate) both charge it. */
-int
-nns_recursion_used(PyThreadState *ts)
-{
-    return ts->recursion_limit - ts->recursion_remaining;
-}
-
-void
-nns_recursion_credit(PyThreadState *ts, int units)
-{
-    ts->recursion_remaining += units;
-}
-
-const int nns_recursion_builtin_call_units = 1;
 
 #endif /* NNS_PY311 */

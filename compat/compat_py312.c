@@ -54,13 +54,6 @@ nns_frame_is_generator(NnsFrame *frame)
     return frame->owner == FRAME_OWNED_BY_GENERATOR;
 }
 
-PyObject *
-nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
-{
-    nns_frame_run_mark_handed(frame);
-    return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
-}
-
 /* Python/pystate.c, _PyThreadState_PopFrame (v3.12.7; not exported in 3.12): give
  * the frame's space back to the thread's data stack, freeing its chunk when the
  * frame was the first one in it. */
@@ -101,28 +94,5 @@ nns_frame_clear_and_pop(PyThreadState *ts, NnsFrame *frame)
     Py_DECREF(frame->f_code);
     pop_frame(ts, frame);
 }
-
-int
-nns_thread_in_trace_callback(PyThreadState *ts)
-{
-    return ts->tracing > 0;
-}
-
-/* Include/cpython/pystate.h (v3.12.1): py_recursion_remaining counts down from
- * py_recursion_limit, charged by Python frames only (_Py_EnterRecursivePy); C calls
- * charge c_recursion_remaining, which this never touches. */
-int
-nns_recursion_used(PyThreadState *ts)
-{
-    return ts->py_recursion_limit - ts->py_recursion_remaining;
-}
-
-void
-nns_recursion_credit(PyThreadState *ts, int units)
-{
-    ts->py_recursion_remaining += units;
-}
-
-const int nns_recursion_builtin_call_units = 0;
 
 #endif /* NNS_PY312 */

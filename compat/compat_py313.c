@@ -47,41 +47,11 @@ nns_frame_is_generator(NnsFrame *frame)
     return frame->owner == FRAME_OWNED_BY_GENERATOR;
 }
 
-PyObject *
-nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
-{
-    nns_frame_run_mark_handed(frame);
-    return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
-}
-
 void
 nns_frame_clear_and_pop(PyThreadState *ts, NnsFrame *frame)
 {
     /* What _PyEval_EvalFrameDefault does on exit (Python/ceval.c, 3.13). */
     _PyEval_FrameClearAndPop(ts, frame);
 }
-
-int
-nns_thread_in_trace_callback(PyThreadState *ts)
-{
-    return ts->tracing > 0;
-}
-
-/* Include/cpython/pystate.h (v3.13.15): py_recursion_remaining counts down from
- * py_recursion_limit, charged by Python frames only (_Py_EnterRecursivePy); C calls
- * charge c_recursion_remaining, which this never touches. */
-int
-nns_recursion_used(PyThreadState *ts)
-{
-    return ts->py_recursion_limit - ts->py_recursion_remaining;
-}
-
-void
-nns_recursion_credit(PyThreadState *ts, int units)
-{
-    ts->py_recursion_remaining += units;
-}
-
-const int nns_recursion_builtin_call_units = 0;
 
 #endif /* NNS_PY313 */
