@@ -1,6 +1,7 @@
 /* cache.c - CacheEntry and CacheBucket. */
 #include <stddef.h>
 #include "cache.h"
+#include "call_key_reader.h"
 #include "guard_env.h"
 #include "structmember.h"
 
