@@ -48,7 +48,7 @@ uint64_t nns_dict_version(PyObject *dict);
  * address), every d_i is unchanged iff sum(nns_dict_version(d_i)) == sum(v_i): each
  * term can only have grown, so an equal sum leaves no room for any to have.  The sum
  * is kept in 128 bits (nns_tag_sum, a carry count above 64), which no count of
- * 64-bit versions overflows, so the equivalence is exact, not probable.  cache.c
+ * 64-bit versions overflows, so the equivalence is exact, not probable.  cache_entry.c
  * checks all of an entry's dict guards this way, a load and an add per dict and one
  * compare for all (docs/design.md, "Guards").  3.12+ have the dict clock instead
  * (below): their versions are per dict, not from one counter. */
