@@ -105,6 +105,16 @@ def test_the_version_layer_depends_on_nothing_above_it():
 LAYER_HEADERS = {"compat.h", "compat_objects.h", "compat_versions.h", "call_key_format.h"}
 
 
+def test_the_design_lists_every_c_file():
+    """docs/design.md's table of files names every C source and every header
+    without one, by its path."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [f"{p.parent.name}/{p.name}" for p in C_FILES
+               if (p.suffix in (".c", ".cpp") or p.name in LAYER_HEADERS)
+               and f"`{p.parent.name}/{p.name}`" not in design]
+    assert missing == []
+
+
 def _project_includes(path: pathlib.Path) -> set[str]:
     return set(re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), re.M))
 
