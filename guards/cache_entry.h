@@ -120,7 +120,8 @@ int cache_entry_check(CacheEntry *entry, Py_ssize_t *failed);
 
 /* call_key_layout(key) (call_key_layout), call_key_bytes(key) -> bytes,
  * shape_guards_match(stored, key, wild, code) -> bool: `key` a CallKey or a stored
- * CacheEntry; the last runs a shape-guard program on two byte strings (tests). */
+ * CacheEntry; the last runs a shape-guard program on two byte strings (tests).
+ * Each returns a new reference, NULL with an exception set. */
 PyObject *cache_call_key_layout(PyObject *module, PyObject *key);
 PyObject *cache_call_key_nested_layout(PyObject *module, PyObject *key);
 PyObject *cache_set_key_struct_types(PyObject *module, PyObject *types);
@@ -128,7 +129,7 @@ PyObject *cache_call_key_bytes(PyObject *module, PyObject *key);
 PyObject *cache_shape_guards_match(PyObject *module, PyObject *args);
 
 /* describe_call_key(key, names=None): see call_key_describe; `key` a CallKey or a
- * stored CacheEntry. */
+ * stored CacheEntry.  New reference, NULL with an exception set. */
 PyObject *cache_describe_call_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames);
 
@@ -140,7 +141,7 @@ PyObject *cache_read_training(PyObject *module);
 
 /* cache_flag when the last read cannot be reused: reads the flag
  * (cache_read_training) and remembers it in `r` where it came from the module's
- * own __dict__. */
+ * own __dict__.  Borrowed result, as cache_read_training's. */
 PyObject *cache_flag_read(FlagRead *r, PyObject *module);
 
 /* The training flag of `module` (alive) as Py_True/Py_False, borrowed: the value of

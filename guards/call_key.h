@@ -102,7 +102,8 @@ typedef struct {
 
 extern PyTypeObject CallKey_Type;
 
-/* A new, empty CallKey object whose key collects pins.  NULL with an exception set. */
+/* New reference: an empty CallKey object whose key collects pins.  NULL with an
+ * exception set. */
 CallKeyObject *call_key_object_new(void);
 
 #endif

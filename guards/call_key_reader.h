@@ -17,7 +17,8 @@
  * every object it pins (the pins' allocation may run the GC). */
 int call_key_pin_from_bytes(CallKey *key);
 
-/* The key in words, decoded from the bytes the hit path compares: a tuple of str,
+/* The key in words, decoded from the bytes the hit path compares: a new reference to
+ * a tuple of str,
  * "grad_mode: True" and then one line per argument value, "name: description" with
  * `names` (a tuple of str, borrowed, or NULL: "#i: ...").  Addresses the key pins are
  * named through `pins` (borrowed list or NULL); nothing else is dereferenced.  Runs no
@@ -25,18 +26,19 @@ int call_key_pin_from_bytes(CallKey *key);
 PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pins,
                             PyObject *names);
 
-/* Where the fields a dynamic entry may make symbolic lie (shape_guards.h): a tuple
- * with one item per argument value, ("tensor", offset of its sizes, ndim) for a
- * tensor read in C++ (its strides follow its sizes), ("int", offset) for an int, ("float", offset) for a float (a double),
- * ("other", offset of its record) for anything else.  Runs no Python; NULL with
- * an exception set (a malformed key). */
+/* Where the fields a dynamic entry may make symbolic lie (shape_guards.h): a new
+ * reference to a tuple with one item per argument value, ("tensor", offset of its
+ * sizes, ndim) for a tensor read in C++ (its strides follow its sizes), ("int",
+ * offset) for an int, ("float", offset) for a float (a double), ("other", offset of
+ * its record) for anything else.  Runs no Python; NULL with an exception set (a
+ * malformed key). */
 PyObject *call_key_layout(const unsigned char *data, size_t len);
 
 /* The fields inside structured objects (TAG_STRUCT, call_key_set_struct_types), which
  * call_key_layout reports as one "other" item: ("tensor", sizes offset, ndim, path),
  * ("int", offset, path), ("float", offset, path), in key order; `path` is the top-level
  * value's index, then steps ("a", attribute name), ("k", dict key) or ("i", index).
- * Runs no Python; NULL with an exception set (a malformed key). */
+ * New reference; runs no Python; NULL with an exception set (a malformed key). */
 PyObject *call_key_nested_layout(const unsigned char *data, size_t len);
 
 #endif

@@ -193,6 +193,49 @@ def test_the_include_graph_check_finds_cycles():
     assert find_cycle(include_graph(files)) == []
 
 
+# What a header says of a returned object: whose reference the caller gets.
+OWNERSHIP_WORDS = re.compile(r"\b(new reference|borrowed|steals?|stolen|ownership)\b", re.I)
+RETURNS_OBJECT = re.compile(r"(?m)^(?:static inline )?(?:const )?"
+                            r"(?:PyObject|\w+Object|CacheEntry|CacheBucket|CacheTable)"
+                            r"\s*\*+\s*\n?(\w+)\(")
+
+
+def unstated_ownership(text: str) -> list[str]:
+    """Functions a header declares returning an object pointer whose comment does not
+    say whose reference it is.  A declaration's comment is the comments of its
+    paragraph (declarations sharing one comment sit together); an "Ownership:" rule
+    in the header's opening comment covers all of them."""
+    body = text[text.find("#ifndef"):]
+    if re.search(r"(?i)\bownership:", text[:len(text) - len(body)]):
+        return []
+    found = []
+    for paragraph in re.split(r"\n\s*\n", body):
+        names = RETURNS_OBJECT.findall(paragraph)
+        comments = " ".join(re.findall(r"/\*.*?\*/", paragraph, re.S))
+        if names and not OWNERSHIP_WORDS.search(re.sub(r"\s*\n\s*\*?\s*", " ", comments)):
+            found += names
+    return found
+
+
+def test_headers_state_the_ownership_of_what_they_return():
+    """Every function a header declares that returns an object says whether the
+    caller gets a new or a borrowed reference: each C function's contract on
+    references is written in its header."""
+    offenders = {p.name: names for p in C_FILES if p.suffix == ".h"
+                 for names in [unstated_ownership(p.read_text())] if names}
+    assert offenders == {}
+
+
+def test_the_ownership_check_sees_what_it_looks_for():
+    text = ("/* x.h */\n#ifndef X\n\n/* A list of the items.  New\n * reference. */\n"
+            "PyObject *items(void);\n\n/* The first item. */\nPyObject *\nfirst(void);\n\n"
+            "/* Two at once: borrowed. */\nCacheEntry *a(void);\nCacheEntry *b(void);\n"
+            "int count(void);\n#endif\n")
+    assert unstated_ownership(text) == ["first"]
+    assert unstated_ownership("/* x.h\n * Ownership: borrowed. */\n#ifndef X\n"
+                              "PyObject *first(void);\n#endif\n") == []
+
+
 def test_every_c_file_starts_with_a_comment_saying_what_it_is():
     for p in C_FILES:
         assert p.read_text().lstrip().startswith("/*"), p.name
