@@ -889,7 +889,7 @@ nested_walk(Reader *r, const unsigned char *data, PyObject *items, PyObject *pat
 }
 
 /* The fields a dynamic entry may make symbolic, per top-level value (see
- * call_key.h).  Describing mode without pins: nothing is held or dereferenced. */
+ * call_key_reader.h).  Describing mode without pins: nothing is held or dereferenced. */
 PyObject *
 call_key_layout(const unsigned char *data, size_t len)
 {
