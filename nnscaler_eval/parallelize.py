@@ -59,7 +59,7 @@ from nnscaler_eval.export import (
     _plain_structure,
     keep_buffer_persistence,
 )
-from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
+from nnscaler_eval.register_op import nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
 
 __all__ = ["export_for_nnscaler", "parallelize", "nnscaler_available"]

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import nnscaler
 from nnscaler_eval.tools.explain import _buckets
