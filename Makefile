@@ -1,6 +1,8 @@
 # nnscaler-eval: every target creates or reuses its own virtual environment.
 #   make demo    compile a small transformer and show what was captured, guarded, measured
 #   make test    build the extension (-Wall -Wextra, no warnings allowed) and run pytest
+#   make lint    ruff over the Python tree (pyproject.toml) and the source lints
+#                (tests/test_lint.py: C include graph, version tests, ownership notes)
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
 #   make leakcheck  refcount/memory soak of the C paths (the suite's soaks, 3x the rounds)
 #   make fuzz    long differential fuzzing of the bytecode rewrite
@@ -28,6 +30,7 @@ VENV := .venv-$(PYV)
 endif
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+RUFF_SPEC ?= ruff==0.17.6
 PYTEST_ARGS ?=
 
 .PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps gpu-check \
@@ -148,6 +151,13 @@ asan: sysdeps
 	  .venv-asan/bin/python -m pytest -q -x -p no:faulthandler $(PYTEST_ARGS)
 	# leave the normal build in place for the next `make test`
 	rm -f nnscaler_eval/_C*.so
+
+# The source lints read files only: no build, and no conftest (it imports _C).
+lint: venv
+	@[ "$$($(PY) -m ruff --version 2>/dev/null)" = "$(subst ==, ,$(RUFF_SPEC))" ] || \
+	  $(PY) -m pip install -q "$(RUFF_SPEC)"
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --noconftest tests/test_lint.py
 
 leakcheck: build
 	$(PY) -m pytest -q tests/test_leaks.py tests/test_rewrite_leaks.py tests/test_cache_entry.py --run-slow

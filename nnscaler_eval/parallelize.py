@@ -61,7 +61,7 @@ from nnscaler_eval.export import (
     _plain_structure,
     keep_buffer_persistence,
 )
-from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
+from nnscaler_eval.register_op import nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing import trace_patches
 

@@ -576,7 +576,7 @@ def fuzz(make_model: Callable[[], nn.Module], make_inputs: Callable[[], tuple[tu
     # the globals of the forwards torch does not define.
     for fn in {type(m).forward for m in eager.modules() if isinstance(
             getattr(type(m), "forward", None), types.FunctionType)}:
-        if not type(fn.__globals__.get("__name__", "")) is str or \
+        if type(fn.__globals__.get("__name__", "")) is not str or \
                 not fn.__globals__.get("__name__", "").startswith("torch."):
             enumerator.globals_of(fn, 0)
     for i, value in enumerate(args):

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
