@@ -3,7 +3,6 @@ size its guards allow, and eager is the oracle for every construct."""
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import random
