@@ -116,13 +116,29 @@ def _runs_torch_only(target: Any) -> bool:
     return target in (operator.getitem,)
 
 
+def _passes_code(node: fx.Node) -> bool:
+    """Does the node hand a function or a module to what it calls (torch code that
+    would call it back: the user's Python)?"""
+    found = False
+
+    def visit(value: Any) -> Any:
+        nonlocal found
+        found = found or isinstance(value, (types.FunctionType, types.MethodType,
+                                            torch.nn.Module))
+        return value
+
+    fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return found
+
+
 def _plain_graph(gm: fx.GraphModule) -> bool:
     """Does running `gm` on fakes run only torch (and its cond branches, the same)?"""
     for node in gm.graph.nodes:
         if node.op == "call_module":
             return False
         if node.op == "call_function" and (node.meta.get("nnscaler_opaque")
-                                           or not _runs_torch_only(node.target)):
+                                           or not _runs_torch_only(node.target)
+                                           or _passes_code(node)):
             return False
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             for arg in node.args:
