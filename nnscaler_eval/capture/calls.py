@@ -106,7 +106,12 @@ DATA_ACCESS = {
 }
 # Calls executed but not recorded: the tracer records their effect (grad mode) by
 # comparing state before each op, which also sees changes made without a torch call.
-STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED})
+# torch 2.13's `_set_grad_enabled` hands itself to torch function modes by its name in
+# torch._C, which names our replacement while a trace runs: that one is the same call
+# (recorded, it was a second node calling a function of ours, which no compiler cache
+# can key).
+STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED,
+                           trace_patches.PATCHED_SET_GRAD_ENABLED})
 
 # Tensor dunders -> (operator function, reflected?)
 OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {}

@@ -375,6 +375,8 @@ def _set_grad_enabled(mode: Any) -> None:
 
 
 _set_grad_enabled.__wrapped__ = REAL_SET_GRAD_ENABLED  # type: ignore[attr-defined]
+# What torch._C._set_grad_enabled is while a trace runs (capture/calls.py).
+PATCHED_SET_GRAD_ENABLED: Callable[[Any], None] = _set_grad_enabled
 
 
 # autograd.Function.apply: one opaque node, so the custom backward survives replay
