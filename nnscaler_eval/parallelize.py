@@ -179,7 +179,9 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                 path = _module_path(module, next(flags))
                 target = f"{path}.training" if path else "training"
                 attrs[target] = _fetch(module, target)
-                env[old] = graph.get_attr(target)
+                # where the forward first reads it, as nnScaler's tracer records
+                # `self.training` (its solvers count operators by position)
+                env.deferred[old] = (target, ())
             else:
                 param = params[info.slot - 1] if 0 < info.slot <= len(params) else None
                 if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD:
@@ -273,17 +275,19 @@ def _fetch(module: nn.Module, target: str, fallback: Optional[nn.Module] = None)
 
 
 class _Env(dict):
-    """The new graph's node for each node of the capture's; an input read from inside
-    an argument (`deferred`: its argument's node and the keys) gets its getitem nodes
-    when a node first uses it."""
+    """The new graph's node for each node of the capture's.  Inputs are made where a
+    node first uses them (`deferred`), as nnScaler's tracer records them: a training
+    flag (its attribute path) as a get_attr node, a value read from inside an argument
+    (the argument's node and the keys) as getitem nodes."""
 
     def __init__(self, graph: fx.Graph) -> None:
         super().__init__()
         self.graph = graph
-        self.deferred: dict[fx.Node, tuple[fx.Node, tuple]] = {}
+        self.deferred: dict[fx.Node, tuple[fx.Node | str, tuple]] = {}
 
     def __missing__(self, old: fx.Node) -> fx.Node:
-        node, keys = self.deferred.pop(old)
+        source, keys = self.deferred.pop(old)
+        node = self.graph.get_attr(source) if isinstance(source, str) else source
         for key in keys:
             node = _key_access(self.graph, node, key)
         self[old] = node
