@@ -218,7 +218,9 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
         # tracer sets it on the nodes it records; those made here are the root's)
         node.meta.setdefault("nn_module_stack", collections.OrderedDict())
     graph.lint()
-    gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
+    # named after the module's class, as nnScaler's tracer names its GraphModule (the
+    # IRGraph it parses into takes that name)
+    gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__)
     keep_buffer_persistence(gm, module)
     if result.branched_training:
         names = ", ".join(f"{_module_path(module, m) or type(m).__name__}.training={v}"
