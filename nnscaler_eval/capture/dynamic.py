@@ -14,8 +14,9 @@ chosen int arguments) are symbols of a `ShapeEnv`, instead of once for real:
   which is a guard too (`specialising_text()` makes text and hashing take that path:
   SymInt is not an int subclass, so no C code reads it without a dunder);
 - sizes 0 and 1 are never symbols (torch's convention: broadcasting and empty
-  tensors behave differently), and every symbol's range is checked: a symbol made
-  from an 8 holds for 2 and above only;
+  tensors behave differently), except a KV cache's length of 1 (a symbol from 1 up,
+  guarded wherever torch decides on it), and every symbol's range is checked: a
+  symbol made from an 8 holds for 2 and above only;
 - equal sizes are not assumed equal (no duck shaping): an op that needs them equal
   records `Eq(s0, s1)`;
 - a tensor with a symbolic dimension is made with its strides as expressions of its
@@ -72,6 +73,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._sympy import functions as torch_sympy
+from torch.utils._sympy.numbers import int_oo
 
 from nnscaler_eval import _C
 from nnscaler_eval.capture import fake_runs, passed_objects
@@ -417,7 +419,9 @@ class SymbolicInputs:
             elif None in dims:
                 fake = self._int(index, value, item[1], name)
             else:
-                fake = self._tensor(index, value, dims, item[1], name)
+                fake = self._tensor(index, value, dims, item[1], name,
+                                    in_cache=bool(keys) and
+                                    keyed_objects.holds_kv_cache(values[top]))
             self.field_values[index] = fake
             if isinstance(fake, (torch.SymInt, torch.SymFloat)):
                 self.scalar_inputs.append((top, keys, fake.node.expr))
@@ -466,7 +470,13 @@ class SymbolicInputs:
         return self.shape_env.create_symfloatnode(symbol, hint=value)
 
     def _tensor(self, index: int, tensor: torch.Tensor, dims: set[int], offset: int,
-                name: str) -> Any:
+                name: str, in_cache: bool = False) -> Any:
+        """A fake of `tensor` whose `dims` are symbols.  A length of 1 in a KV cache
+        (a decoder's second step) is a symbol too, ranging over 1 and above: the cache
+        grows by design, and a capture that specialised it would be followed by another
+        at length 2.  torch guards every decision it takes on that symbol (broadcasting
+        a 1 specialises it), as with Dynamo's backed_size_oblivious; 0 stays
+        specialised (empty tensors take other paths)."""
         sizes, strides = list(tensor.shape), list(tensor.stride())
         ndim = len(sizes)
         order = _dense_order(sizes, strides)
@@ -475,8 +485,13 @@ class SymbolicInputs:
         sym_sizes: list[Any] = []
         for d, size in enumerate(sizes):
             if d in dims:
+                one = in_cache and size == 1
                 symbol = self.shape_env.create_symbol(
-                    size, ArgumentSource(f"{name}.size({d})"), dynamic_dim=DimDynamic.DYNAMIC)
+                    size, ArgumentSource(f"{name}.size({d})"), dynamic_dim=DimDynamic.DYNAMIC,
+                    do_not_specialize_zero_one=one)
+                if one and isinstance(symbol, sympy.Symbol):
+                    self.shape_env.constrain_symbol_range(symbol, compiler_min=1,
+                                                          compiler_max=int_oo)
                 if isinstance(symbol, sympy.Symbol):
                     self.bindings[symbol] = offset + 8 * d
                     self.origins[symbol] = f"{name}.size({d})"
