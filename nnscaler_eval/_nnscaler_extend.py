@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from nnscaler_eval import api, microsoft_nnscaler, runtime
+from nnscaler_eval import register_op as register_op_module
 
 # Names of ours that replace nnScaler's: none (ours are added only where nnScaler has
 # no attribute of that name).
@@ -28,8 +29,6 @@ REPLACED: tuple[str, ...] = ()
 
 
 def extend(package: ModuleType) -> None:
-    from nnscaler_eval import register_op as register_op_module
-
     register_op_module.attach_nnscaler()
     for name in api.__all__:
         if name in REPLACED or not hasattr(package, name):

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from nnscaler_eval import _C
 from nnscaler_eval.runners.backends import resolve_backend
 
 
@@ -90,8 +91,6 @@ class CompileConfig:
 
     def arm(self, target: Any = None) -> Any:
         """Arm the current context with this config (`_C.disarm` the token)."""
-        from nnscaler_eval import _C
-
         return _C.arm(self, target, self.cache_home)
 
     def __reduce__(self) -> Any:

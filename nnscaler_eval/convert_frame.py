@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from nnscaler_eval import _C, logs
+from nnscaler_eval import capture as tracer
 from nnscaler_eval.capture import dynamic, training
 from nnscaler_eval.capture.passed_objects import describe_writes
 from nnscaler_eval.capture import hook_nodes
@@ -35,7 +36,7 @@ from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
-from nnscaler_eval.config import adopt_region_bucket
+from nnscaler_eval.config import CompileConfig, adopt_region_bucket
 from nnscaler_eval.runners.backends import PerSizeCompiled, compile_graph
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
@@ -162,7 +163,7 @@ def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
-def _over_limit(config: Any, code: Any, bucket: Any) -> bool:
+def _over_limit(config: CompileConfig, code: Any, bucket: Any) -> bool:
     if trace_state.entries_with_in_flight(bucket) < config.cache_size_limit:
         return False
     if not bucket.limit_warned:
@@ -184,7 +185,7 @@ _backend_failures_warned: "weakref.WeakKeyDictionary[Any, set[tuple[int, str]]]"
     weakref.WeakKeyDictionary()
 
 
-def _backend_failed(config: Any, code: Any, where: str, exc: Exception) -> None:
+def _backend_failed(config: CompileConfig, code: Any, where: str, exc: Exception) -> None:
     """The backend failed on this capture: fullgraph raises; else one warning per
     code and failure, and the caller runs the graph with the eager backend."""
     if config.fullgraph:
@@ -197,7 +198,7 @@ def _backend_failed(config: Any, code: Any, where: str, exc: Exception) -> None:
                        "the captured graph with the eager backend instead")
 
 
-def _backend_full(config: Any, code: Any, where: str) -> None:
+def _backend_full(config: CompileConfig, code: Any, where: str) -> None:
     """A per-size backend reached cache_size_limit sizes: one warning per code."""
     _warn_backend_once(config, code, "per-size limit",
                        f"compiled {where} for {config.cache_size_limit} sizes "
@@ -205,7 +206,7 @@ def _backend_full(config: Any, code: Any, where: str) -> None:
                        "eager backend")
 
 
-def _warn_backend_once(config: Any, code: Any, failure: str, message: str) -> None:
+def _warn_backend_once(config: CompileConfig, code: Any, failure: str, message: str) -> None:
     """`nnscaler: backend <name> <message>`, once per code, backend and failure."""
     warned = _backend_failures_warned.setdefault(code, set())
     if (id(config.backend_fn), failure) not in warned:
@@ -213,7 +214,7 @@ def _warn_backend_once(config: Any, code: Any, failure: str, message: str) -> No
         warn_at_user(f"nnscaler: backend {config.backend_name!r} {message}")
 
 
-def _compile_runner(config: Any, capture: Any, code: Any, where: str,
+def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
                     symbolic: bool = False) -> tuple[Callable[..., Any], list[tuple[Any, bool]],
                                                      Optional[str]]:
     """The runner for this capture, the extra flag guards it needs, and why the
@@ -254,7 +255,7 @@ def _compile_runner(config: Any, capture: Any, code: Any, where: str,
             per_size.refusal if per_size is not None else None)
 
 
-def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+def convert_frame(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any,
                   slots: tuple, bucket: Any, call_key: Any) -> tuple[Any, Any]:
     # C calls this in place of the intercepted frame: the frame that called the
     # forward is one below this one, and the forward runs at its depth + 1, as in
@@ -280,11 +281,9 @@ def convert_frame(config: Any, fn: Callable[..., Any], code: Any, self: Any,
         trace_state.run_to_completion(trace_state.leave_capture, depth)
 
 
-def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+def _convert_frame_locked(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any,
                           slots: tuple, bucket: Any, call_key: Any,
                           caller_depth: int) -> tuple[Any, Any]:
-    from nnscaler_eval import capture as tracer
-
     known_codes.add(code)
     if config.region and isinstance(self, torch.nn.Module):
         adopt_region_bucket(config, self, bucket)
@@ -349,7 +348,7 @@ def _convert_frame_locked(config: Any, fn: Callable[..., Any], code: Any, self: 
                     caller_depth)
 
 
-def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
+def _capture_symbolic(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any,
                       slots: tuple, slot_names: tuple, bucket: Any, key: list[str],
                       call_key: Any, where: str, caller_depth: int,
                       fields: frozenset) -> Any:
@@ -392,14 +391,12 @@ def _capture_symbolic(config: Any, fn: Callable[..., Any], code: Any, self: Any,
     return None
 
 
-def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: tuple,
+def _capture(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any, slots: tuple,
              slot_names: tuple, bucket: Any, key: list[str], where: str,
              caller_depth: int, symbolic: Any = None) -> Any:
     """Trace the call, guard and cache the capture; the reply to C.  With `symbolic`
     the trace runs on its fake arguments, and any failure raises
     `dynamic.Unsupported` before anything is cached or returned."""
-    from nnscaler_eval import capture as tracer
-
     first = 1 if self is not None else 0
     arguments = list(zip(slot_names[first:], slots[first:]))
     global_state = state_guards.global_state_guard()
@@ -486,7 +483,7 @@ def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: t
     return trace_state.in_flight_reply(bucket, result, entry)
 
 
-def _uncached(config: Any, capture: Any, what: str, exc: Exception) -> tuple[Any, Any]:
+def _uncached(config: CompileConfig, capture: Any, what: str, exc: Exception) -> tuple[Any, Any]:
     """Our own failure after the forward ran: its result stands, nothing is kept (with
     fullgraph=True the error is raised)."""
     if config.fullgraph:
@@ -537,7 +534,6 @@ def _add_eager_types(bucket: Any, at_fault: set[type], reason: str) -> None:
 
 def _mutated_before(code: Any, names: tuple[str, ...],
                     values: tuple[Any, ...]) -> Optional[tuple[Any, type]]:
-    from nnscaler_eval import capture as tracer
     known = _mutated_types.get(code)
     if not known:
         return None
@@ -645,7 +641,7 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
     return None
 
 
-def _make_entry(config: Any, capture: Any, code: Any, self: Any, key: list[str],
+def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: list[str],
                 where: str, reads: Optional[ReadContext] = None,
                 symbolic: Any = None) -> Any:
     if capture.graph_module is not None:

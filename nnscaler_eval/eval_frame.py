@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from nnscaler_eval import _C
-from nnscaler_eval.shared_objects import REWRITE_MODE
+from nnscaler_eval.shared_objects import REWRITE_MODE, _RewriteMode
 from nnscaler_eval.config import CompileConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
+# What a region arms: a capture config, rewrite mode, or None (disable()).
+ArmConfig = Optional[Union[CompileConfig, _RewriteMode]]
 
 
-def _arm(config: Any) -> Any:
+def _arm(config: ArmConfig) -> Any:
     """A capture config arms with its cache home; rewrite mode and None without."""
     arm = getattr(type(config), "arm", None)
     return arm(config) if arm is not None else _C.arm(config)
@@ -39,7 +41,7 @@ class _Armed:
     Its open blocks are kept per context, so one object entered by two asyncio
     tasks (or threads) keeps their tokens apart."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: ArmConfig) -> None:
         self._config = config
 
     def __enter__(self) -> "_Armed":

@@ -36,7 +36,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from nnscaler_eval.capture import Capture, GraphBreakError, capture
+from nnscaler_eval import _C
+from nnscaler_eval.capture import Capture, GraphBreakError, capture, dynamic
+from nnscaler_eval.eval_frame import enable
+from nnscaler_eval.register_op import registered_ops
+from nnscaler_eval.rewrite import rewritten_function
 from nnscaler_eval.runners.codegen import SlotOutput
 from nnscaler_eval.runtime import ifexpr
 
@@ -90,9 +94,6 @@ def export(module: nn.Module, *args: Any, dynamic_dims: Optional[dict] = None,
 def _symbolic_inputs(fn: Any, slots: tuple, slot_names: tuple, dynamic_dims: Optional[dict],
                      where: str) -> Any:
     """The fake arguments of a symbolic export, or None when nothing is marked."""
-    from nnscaler_eval import _C
-    from nnscaler_eval.capture import dynamic
-
     values, names = slots[1:], slot_names[1:]
     fields: set = set()
     for name, dims in (dynamic_dims or {}).items():
@@ -134,9 +135,6 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     (capture/python_values.py), as nnScaler's generated module needs them."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{caller} takes an nn.Module, got {type(module).__name__}")
-    from nnscaler_eval.eval_frame import enable
-    from nnscaler_eval.rewrite import rewritten_function
-
     forward = type(module).forward
     where = _where(forward)
     fn = rewritten_function(forward)
@@ -150,7 +148,6 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     symbolic = _symbolic_inputs(fn, slots, slot_names, dynamic_dims, where)
     if symbolic is not None:
         slots = slots[:1] + symbolic.values
-    from nnscaler_eval.capture import dynamic
     try:
         # Rewrite mode: submodule forwards, inlined by the tracer, run rewritten too.
         with enable():
@@ -349,8 +346,6 @@ class _TargetRef:
     def resolve(self) -> Any:
         if self.kind == "ifexpr":
             return ifexpr
-        from nnscaler_eval.register_op import registered_ops
-
         ops = registered_ops()
         if self.name not in ops and self.module and self.module != "__main__":
             importlib.import_module(self.module)  # its register_op call runs

@@ -51,7 +51,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from nnscaler_eval import _C, microsoft_nnscaler
+from nnscaler_eval import _C, microsoft_nnscaler, register_op
 from nnscaler_eval.capture import Capture
 from nnscaler_eval.export import (
     ExportedGraphModule,
@@ -79,7 +79,6 @@ def _require_nnscaler(what: str) -> None:
     if not nnscaler_available():
         raise ImportError(f"{what} needs Microsoft nnScaler installed beside nnscaler-eval "
                           "(https://github.com/microsoft/nnscaler)")
-    from nnscaler_eval import register_op
 
     register_op.attach_nnscaler()  # nnscaler imported some other way: one registry
 

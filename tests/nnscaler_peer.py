@@ -2,7 +2,8 @@
 own test helpers, and one gloo rank on CPU to run the modules it generates.
 
 One place for what the nnScaler test files share (`make test-nnscaler` runs them in
-`.venv-nnscaler`, where nnScaler's wheel is installed beside ours).
+`.venv-nnscaler`, where nnScaler's wheel is installed beside ours), and for
+tests/nnscaler_suite/run.py's default tarball.
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import socket
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator, Optional
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_SRC = Path(os.environ.get("NNSCALER_PEER_SRC", REPO / "build" / "nnscaler-peer" / "nnscaler"))
@@ -31,9 +30,17 @@ def peers() -> Optional[Path]:
     return None
 
 
+def tarball() -> Optional[Path]:
+    """nnScaler's source tarball in `peers()`, or None."""
+    folder = peers()
+    return sorted(folder.glob("nnscaler-*.tar.gz"))[0] if folder is not None else None
+
+
 def require_nnscaler(installed: bool = True) -> None:
     """Skip the calling test module without nnScaler's source (and, with `installed`,
     without nnScaler installed in this interpreter)."""
+    import pytest   # here: run.py, a script, imports this module for tarball()
+
     if peers() is None:
         pytest.skip("../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found: "
                     "nothing to test against", allow_module_level=True)

@@ -2,10 +2,11 @@
 
 - `twins(module, **options)`: the module compiled in place, and an eager deep copy
   made before (equal parameters, buffers and state).
-- `assert_same(got, want)`: the same structure (types, lengths, keys, None where None)
-  and every leaf equal: tensors by shape, dtype and values (exactly, or within
-  `rtol`/`atol`; NaN equal to NaN), objects of the same class by their `__dict__` (a
-  KV cache each call makes anew), anything else by `==`.  A shorter output, an extra
+- `assert_same(got, want)`: the same structure (types, lengths, keys, dataclass
+  fields, None where None) and every leaf equal: tensors by shape, dtype, device and
+  values (exactly, or within `rtol`/`atol`; NaN equal to NaN), objects of the same
+  class by their `__dict__` (a KV cache each call makes anew), anything else of the
+  same type by `==` (1.0 is not 1).  A shorter output, an extra
   key or a tensor where eager returns a number fails, and the message names the path
   (`[1]['logits']`).  `same(got, want)`: the same answer as a bool.
 - `agree(compiled, eager, *args, expect=..., **kwargs)`: call both, compare, and
@@ -35,6 +36,11 @@ def assert_same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0,
     where = path or "the output"
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__}, eager a tensor"
+        if want.is_nested or got.is_nested:
+            assert got.is_nested and want.is_nested, f"{where}: nested {got.is_nested}, eager {want.is_nested}"
+            assert_same(list(got.unbind()), list(want.unbind()), rtol=rtol, atol=atol,
+                        path=f"{path}.unbind()")
+            return
         assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)}, eager {tuple(want.shape)}"
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, eager {want.dtype}"
         if got.layout != torch.strided or want.layout != torch.strided:
@@ -52,7 +58,7 @@ def assert_same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0,
                         atol=atol, path=f"{path}.{field.name}")
         return
     if isinstance(want, dict):
-        assert isinstance(got, dict), f"{where}: {type(got).__name__}, eager a dict"
+        assert type(got) is type(want), f"{where}: {type(got).__name__}, eager {type(want).__name__}"
         assert list(got) == list(want), f"{where}: keys {list(got)}, eager {list(want)}"
         for key in want:
             assert_same(got[key], want[key], rtol=rtol, atol=atol, path=f"{path}[{key!r}]")
@@ -67,6 +73,10 @@ def assert_same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0,
             type(want).__eq__ is object.__eq__:
         assert type(got) is type(want), f"{where}: {type(got).__name__}, eager {type(want).__name__}"
         assert_same(vars(got), vars(want), rtol=rtol, atol=atol, path=f"{path}.__dict__")
+        return
+    assert type(got) is type(want), f"{where}: {got!r}, eager {want!r} ({type(want).__name__})"
+    if isinstance(want, float) and want != want:
+        assert got != got, f"{where}: {got!r}, eager nan"
         return
     assert got == want, f"{where}: {got!r}, eager {want!r}"
 

@@ -10,8 +10,11 @@ state walk's own bound), and from the arguments.  It changes one thing at a time
 replaces a function or a submodule, changes a class attribute, edits a tensor or an
 array in place), on both twins where the thing is the twin's own and once where it is
 shared, calls both, and requires equal results: a recapture or an eager run is fine,
-a stale hit is a failure.  Then it reverts the change and checks again.  A change that
-makes eager raise is skipped (the compiled twin must raise too).
+a stale hit is a failure.  Then it reverts the change and checks again.  Where a change
+makes eager raise, the compiled twin must raise an exception of the same type.  Unless
+a model runs eagerly by design (RUNS_EAGERLY), its second call with unchanged state
+must be a cache hit: a model that always ran eagerly would agree with eager and prove
+nothing (tests/test_oracle.py shows both failures).
 
     .venv/bin/python tests/state_fuzz.py [--mutations 3000] [--models all] [--seed 0]
 

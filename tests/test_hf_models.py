@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 import nnscaler
+from oracle import assert_same
 
 transformers = pytest.importorskip("transformers", reason="make test installs transformers")
 transformers.logging.set_verbosity_error()
@@ -67,23 +67,6 @@ def _inputs(name, batch, length):
     return dict(input_ids=torch.randint(1, 64, (batch, length)))
 
 
-def _tensors(output):
-    """Every tensor a model returned, the key/value tensors of its caches included."""
-    if hasattr(output, "to_tuple"):
-        output = output.to_tuple()
-    found = []
-    for leaf in pytree.tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-            continue
-        caches = [getattr(leaf, "self_attention_cache", None),
-                  getattr(leaf, "cross_attention_cache", None), leaf]
-        for cache in caches:
-            for layer in getattr(cache, "layers", None) or ():
-                found += [layer.keys, layer.values]
-    return found
-
-
 def _pair(name):
     auto, config = _config(name)
     torch.manual_seed(0)
@@ -103,13 +86,13 @@ def test_outputs_and_caches_equal_eager(name):
             torch.manual_seed(step)
             inputs = _inputs(name, batch, length)
             torch.manual_seed(100 + step)
-            got = _tensors(compiled(**inputs))
+            got = compiled(**inputs)
             torch.manual_seed(100 + step)
-            want = _tensors(reference(**inputs))
-            assert len(got) == len(want), (mode, step)
-            for i, (a, b) in enumerate(zip(got, want)):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5,
-                                           msg=f"{name} {mode} call {step} tensor {i}")
+            want = reference(**inputs)
+            try:   # every field, every cache layer's attributes
+                assert_same(got, want, atol=1e-5, rtol=1e-5)
+            except AssertionError as exc:
+                raise AssertionError(f"{name} {mode} call {step}: {exc}") from None
     # graphs ran: the third call of each mode repeats the first's shapes (models that
     # return a KV cache run their root eagerly; their layers are captured)
     infos = [nnscaler.cache_info(m) for m in compiled.modules()]
@@ -145,25 +128,15 @@ def test_a_returned_kv_cache_is_rebuilt_and_the_root_captured_whole(name):
     assert [type(o) for o in got_objects] == [type(o) for o in _cache_objects(want.past_key_values)]
     again = _cache_objects(second.past_key_values)
     assert all(a is not b for a, b in zip(got_objects, again))   # fresh objects per call
-    for a, b in zip(_tensors(first), _tensors(want)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same(first, want, atol=1e-5, rtol=1e-5)
     # one call's cache is its own: growing it leaves the next call's alone
     for obj in got_objects[1:]:
         if hasattr(obj, "keys") and isinstance(obj.keys, torch.Tensor):
             obj.keys = obj.keys * 0
     with torch.no_grad():
         third = compiled(**inputs)
-    for a, b in zip(_tensors(third), _tensors(want)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same(third, want, atol=1e-5, rtol=1e-5)
     assert nnscaler.cache_info(compiled).hits >= 2
-
-
-def _layer_state(cache):
-    layers = []
-    for sub in (getattr(cache, "self_attention_cache", None),
-                getattr(cache, "cross_attention_cache", None), cache):
-        layers += list(getattr(sub, "layers", None) or ())
-    return [(type(layer), vars(layer)) for layer in layers]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
@@ -180,15 +153,10 @@ def test_returned_caches_over_lengths_equal_eager_attribute_by_attribute(sliding
         for length in [5, 9, 3, 12, 1, 2, 7, 16]:
             ids = torch.randint(1, 64, (2, length))
             got, want = compiled(input_ids=ids), reference(input_ids=ids)
-            assert torch.equal(got.logits, want.logits), length
-            for (cls_a, a), (cls_b, b) in zip(_layer_state(got.past_key_values),
-                                              _layer_state(want.past_key_values), strict=True):
-                assert cls_a is cls_b and a.keys() == b.keys()
-                for key, value in b.items():
-                    if isinstance(value, torch.Tensor):
-                        assert torch.equal(a[key], value), (length, key)
-                    else:
-                        assert a[key] == value and type(a[key]) is type(value), (length, key)
+            try:   # exactly: the logits, every cache layer's attributes
+                assert_same(got, want)
+            except AssertionError as exc:
+                raise AssertionError(f"length {length}: {exc}") from None
     assert nnscaler.cache_info(compiled).captures <= 5
 
 
@@ -208,8 +176,7 @@ def test_generate_with_kv_cache_equals_eager(name):
             got = compiled.generate(ids, **kwargs)
             want = reference.generate(ids, **kwargs)
             assert torch.equal(got.sequences, want.sequences)
-            for a, b in zip(got.logits, want.logits):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            assert_same(got, want, atol=1e-5, rtol=1e-5)   # logits per step, the cache
 
 
 def test_decorated_forward_is_reported():

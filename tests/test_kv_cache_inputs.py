@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import nnscaler
+from oracle import assert_same
 
 transformers = pytest.importorskip("transformers", reason="make test installs transformers")
 transformers.logging.set_verbosity_error()
@@ -80,29 +81,13 @@ def _prefill(name, length):
     return dict(input_ids=torch.randint(1, 64, (1, length)))
 
 
-def _layers(cache):
-    layers = []
-    for sub in (getattr(cache, "self_attention_cache", None),
-                getattr(cache, "cross_attention_cache", None), cache):
-        layers += list(getattr(sub, "layers", None) or ())
-    return layers
-
-
 def _close(got, want, where):
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(where))
-
-
-def _assert_same_cache(got, want, where):
-    assert type(got) is type(want), where
-    got_layers, want_layers = _layers(got), _layers(want)
-    assert [type(x) for x in got_layers] == [type(x) for x in want_layers], where
-    for i, (a, b) in enumerate(zip(got_layers, want_layers)):
-        assert vars(a).keys() == vars(b).keys(), (where, i)
-        for key, value in vars(b).items():
-            if isinstance(value, torch.Tensor):
-                _close(vars(a)[key], value, (where, i, key))
-            else:
-                assert vars(a)[key] == value and type(vars(a)[key]) is type(value), (where, i, key)
+    """Eager is the oracle (tests/oracle.py): the same structure and every leaf within
+    1e-5; a cache by every attribute of every layer, a model output by every field."""
+    try:
+        assert_same(got, want, atol=1e-5, rtol=1e-5)
+    except AssertionError as exc:
+        raise AssertionError(f"{where}: {exc}") from None
 
 
 def _step_inputs(name, token, cache, prefill, output):
@@ -126,16 +111,15 @@ def test_decode_steps_take_the_cache_and_equal_eager(name):
         for length in (5, 3):
             prefill = _prefill(name, length)
             got, want = compiled(**prefill), reference(**prefill)
-            _close(got.logits, want.logits, length)
+            _close(got, want, length)
             got_cache, want_cache = got.past_key_values, want.past_key_values
             for step in range(8):
                 torch.manual_seed(1000 + step)
                 token = torch.randint(1, 64, (1, 1))
                 got = compiled(**_step_inputs(name, token, got_cache, prefill, got))
                 want = reference(**_step_inputs(name, token, want_cache, prefill, want))
-                _close(got.logits, want.logits, (length, step))
+                _close(got, want, (length, step))   # logits and the cache
                 assert got.past_key_values is got_cache   # the caller's object, updated
-                _assert_same_cache(got_cache, want_cache, (length, step))
     info = nnscaler.cache_info(compiled)
     # the prefill at length 5, at length 3, and the decode step (sizes symbolic from
     # its first capture); nothing ran eagerly at the root.  A sliding window (mistral,
@@ -154,8 +138,7 @@ def _generate_equal(compiled, reference, lengths, kwargs):
             ids = torch.randint(1, 64, (1, length))
             got, want = compiled.generate(ids, **kwargs), reference.generate(ids, **kwargs)
             assert torch.equal(got.sequences, want.sequences), length
-            for a, b in zip(got.scores, want.scores, strict=True):
-                _close(a, b, length)
+            _close(got, want, length)   # scores, one per step, and the cache
 
 
 @pytest.mark.parametrize("name,beams", [("gpt2", 1), ("llama", 1), ("llama", 3)])
@@ -229,7 +212,7 @@ def test_a_cache_inside_kwargs_grown_from_empty_edited_between_calls():
             want_x, want_c = reference(x, state={"cache": want_cache})
             assert torch.equal(got_x, want_x), step
             assert got_c is got_cache
-            _assert_same_cache(got_cache, want_cache, step)
+            _close(got_cache, want_cache, step)
             if step in edits:
                 edits[step](got_cache)
                 edits[step](want_cache)
@@ -283,5 +266,4 @@ def test_one_cache_passed_twice_is_not_two_caches():
                 x = torch.randn(1, 2, 4)
                 got, want = compiled(x, *got_c), reference(x, *want_c)
                 _close(got, want, (shared, step))
-                for g, w in zip(got_c, want_c):
-                    _assert_same_cache(g, w, (shared, step))
+                _close(got_c, want_c, (shared, step))

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-pytest.importorskip("nnscaler.graph", reason="Microsoft nnScaler is not installed here: "
-                    "`make test-nnscaler` runs these tests in .venv-nnscaler")
+from nnscaler_peer import require_nnscaler
+
+require_nnscaler()
 
 from nnscaler.graph.parser import FxModuleParser  # noqa: E402
 

@@ -8,6 +8,7 @@ argument slots, in CPython's order) and then calls the runner the way a cache hi
 from __future__ import annotations
 
 import builtins
+import functools
 import gc
 import inspect
 import linecache
@@ -25,6 +26,7 @@ from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing.trace_state import current_tracer
 from nnscaler_eval.capture import Capture, GraphBreakError, capture
+from oracle import assert_same
 
 THIS_FILE = __file__
 
@@ -71,8 +73,8 @@ def line_of(marker: str) -> int:
     raise AssertionError(marker)
 
 
-def assert_close(a: Any, b: Any) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+# Eager is the oracle (tests/oracle.py): the same structure and every leaf, within 1e-6.
+assert_close = functools.partial(assert_same, rtol=1e-6, atol=1e-6)
 
 
 def assert_nothing_patched() -> None:
@@ -329,7 +331,7 @@ def test_keyword_none_and_container_inputs_tuple_and_dict_outputs():
     assert cap.slot_names == ("self", "x", "pair", "mask", "scale", "extra", "named")
     expected = model(x, pair, *extra, scale=2.0, bias=bias)
     got = replay(cap, model, x, pair, *extra, mask=None, scale=2.0, bias=bias)
-    assert_close(got[:2], expected[:2])
+    assert_close(got, expected)
     assert got[1]["none"] is None and got[2] == (2.0, "tag")
     # New values for the same structure flow through.
     pair2 = (torch.randn(2, 4), torch.randn(2, 4))
@@ -1228,9 +1230,7 @@ def test_backend_graph_folds_training_for_aot_backends():
     eager(inputs[0])
     runner = cap.make_runner(aot_eager(*cap.backend_graph()), training_folded=True)
     for x in inputs[1:]:
-        torch.testing.assert_close(
-            replay(cap, traced, x, runner=runner), eager(x), rtol=1e-5, atol=1e-5
-        )
+        assert_same(replay(cap, traced, x, runner=runner), eager(x), rtol=1e-5, atol=1e-5)
     assert_close(traced.bn.running_mean, eager.bn.running_mean)
     assert int(traced.bn.num_batches_tracked) == 3
 

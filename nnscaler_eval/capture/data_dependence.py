@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch._decomp import meta_table
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -87,14 +88,9 @@ def _kind_of(func: Any) -> int:
     # A meta kernel computes the output's metadata from the inputs' metadata: that is
     # its contract (an op whose output shape needs data has none, or is tagged).
     if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Meta") or \
-            func in _meta_table():
+            func in meta_table:
         return _PASSES
     return _UNTAGGED
-
-
-def _meta_table() -> Any:
-    from torch._decomp import meta_table
-    return meta_table
 
 
 # (aten op, argument dtypes and layouts) -> reason (None: the shape follows from

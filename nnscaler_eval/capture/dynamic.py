@@ -77,6 +77,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from nnscaler_eval import _C
 from nnscaler_eval.capture import fake_runs, passed_objects
+from nnscaler_eval.config import CompileConfig
 from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.tracing.locations import user_location
 
@@ -299,7 +300,7 @@ def marked_dims(values: tuple) -> set[Field]:
     return _marked([(None, value, None) for value in values])[0]
 
 
-def plan(config: Any, bucket: Any, call_key: Any, values: tuple) -> Optional[frozenset]:
+def plan(config: CompileConfig, bucket: Any, call_key: Any, values: tuple) -> Optional[frozenset]:
     """The fields to make symbolic in this miss's capture, or None (a static one)."""
     if config.dynamic is False or bucket in _failed:
         return None

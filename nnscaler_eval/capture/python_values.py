@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 
 from nnscaler_eval import microsoft_nnscaler
 from nnscaler_eval.tracing.locations import is_library_file
+from nnscaler_eval.tracing.trace_state import current_tracer
 from nnscaler_eval.tracing.tracked_values import (
     TrainingFlag,
     TrackedFloat,
@@ -337,7 +338,6 @@ def _recording_class(cls: type) -> type:
         value = super(recording, self).__getattribute__(name)
         if name.startswith("__") or is_library_file(sys._getframe(1).f_code.co_filename):
             return value
-        from nnscaler_eval.tracing.trace_state import current_tracer
         tracer = current_tracer()
         values = getattr(tracer, "python_values", None)
         if values is None or not tracer.recording or id(self) not in values.objects:

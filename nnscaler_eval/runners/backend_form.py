@@ -44,13 +44,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 
 def fake_mode_of(example_inputs: list[Any]) -> Any:
     """The fake mode of a symbolic capture's example inputs (fakes of its `ShapeEnv`,
     or symbolic ints only: a mode of their `ShapeEnv`), or None (real tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
     for value in example_inputs:
         if isinstance(value, FakeTensor):
             return value.fake_mode
@@ -66,8 +67,6 @@ def as_dynamo_hands_it(gm: fx.GraphModule, example_inputs: list[Any]) -> Iterato
     capture's made here, with a `ShapeEnv`, its inputs faked with static sizes) and
     `meta["example_value"]` on the nodes of a graph that runs torch only.  An existing
     context (a capture made while torch.compile traces) is left as it is."""
-    from torch._guards import TracingContext, tracing
-
     if TracingContext.try_get() is not None:
         yield
         return
@@ -86,9 +85,6 @@ def _static_mode(example_inputs: list[Any]) -> Optional[Any]:
     """A `FakeTensorMode` with a `ShapeEnv` in which every tensor input is already
     faked with its own sizes and strides: AOTAutograd finds these fakes (the mode
     keeps one per real tensor) instead of making symbolic ones."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     mode = FakeTensorMode(shape_env=ShapeEnv())
     try:
         for value in example_inputs:
@@ -209,6 +205,4 @@ def annotate_example_values(gm: fx.GraphModule, mode: Any, example_inputs: list[
 
 
 def _is_fake(value: Any) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return is_fake(value)

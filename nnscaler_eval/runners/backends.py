@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
 from nnscaler_eval.runners import backend_form
 
 
@@ -20,6 +23,8 @@ def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
     if isinstance(backend, str) and backend in BUILTIN_BACKENDS:
         return BUILTIN_BACKENDS[backend], backend
     if isinstance(backend, str):
+        # Here, not at the top: importing torch._dynamo takes seconds, and only
+        # a backend named by a string needs its registry.
         from torch._dynamo.backends.registry import list_backends, lookup_backend
 
         try:
@@ -49,6 +54,8 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
     `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
     need before they keep anything across processes."""
+    # Here, not at the top: torch does not import it, and it costs about 15 ms that
+    # only a compiling backend needs.
     from torch._functorch import config as functorch_config
 
     with functorch_config.patch(force_non_lazy_backward_lowering=True), \
@@ -69,9 +76,6 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     replay nothing and hand fake outputs to the caller), or when autograd would be
     needed.
     """
-    import torch
-    from torch._subclasses.fake_tensor import is_fake
-
     if not torch.cuda.is_available():
         raise RuntimeError("cudagraphs needs a CUDA device and none is available")
     symbolic = [i for i, t in enumerate(example_inputs)

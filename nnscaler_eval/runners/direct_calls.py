@@ -28,6 +28,7 @@ so a mode sees the function the user called, as in eager.
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -131,8 +132,6 @@ def trusted_nodes(graph_nodes: list[fx.Node], attr_values: Any) -> set[fx.Node]:
 # ---------------------------------------------------------------- the wrappers
 
 def _bind(signature_of: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict]:
-    import inspect
-
     try:
         bound = inspect.signature(signature_of).bind(*args, **kwargs)
     except TypeError:

@@ -25,6 +25,7 @@ import threading
 from typing import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint as checkpoint
 
 from nnscaler_eval.tracing import trace_state
 
@@ -39,8 +40,6 @@ def dynamo_is_compiling() -> bool:
 def _checkpoint_codes() -> frozenset:
     """The code objects that run a checkpointed function (torch.utils.checkpoint:
     `checkpoint` under its decorators, and the reentrant variant's forward)."""
-    import torch.utils.checkpoint as checkpoint
-
     functions = (inspect.unwrap(checkpoint.checkpoint), checkpoint.CheckpointFunction.forward)
     return frozenset(fn.__code__ for fn in functions if hasattr(fn, "__code__"))
 

@@ -33,6 +33,8 @@ def active_fx_tracer(args: Any, kwargs: Any = None) -> Optional[Any]:
         proxy = _find_proxy(kwargs, fx.Proxy)
     if proxy is not None:
         return proxy.tracer
+    # Here, not at the top: this module imports no torch, and finds torch.fx in use
+    # (sys.modules above) before it asks it anything.
     from torch.fx import _symbolic_trace
 
     # is_fx_symbolic_tracing: False under torch.compile/export, and it does not warn.

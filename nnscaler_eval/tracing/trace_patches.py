@@ -259,7 +259,6 @@ def _impure_patch(owner: Any, name: str) -> _Patch:
             # Only the model's own code: torch, the standard library and this package
             # read clocks for their own bookkeeping (log records, timings, temporary
             # names), which never reaches a tensor.
-            from nnscaler_eval.tracing.locations import is_library_file
             if not is_library_file(sys._getframe(1).f_code.co_filename):
                 tracer.on_python_side_effect(what)
         return patch.saved(*args, **kwargs)

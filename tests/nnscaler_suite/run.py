@@ -33,7 +33,6 @@ failure with its first error line; logs and JSON reports are in build/nnscaler-s
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -46,6 +45,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+import nnscaler_peer  # noqa: E402
 MODES = ("front-end", "installed", "alone")
 COUNTS = ("passed", "failed", "error", "xfailed", "xpassed", "skipped")
 
@@ -72,13 +73,8 @@ TRACER_FIXES = (
 
 
 def default_tarball() -> str | None:
-    for peers in (os.environ.get("NNSCALER_PEERS"), ROOT / "../shared/peers",
-                  ROOT / "../../shared/peers"):
-        if peers:
-            found = sorted(glob.glob(str(Path(peers) / "nnscaler-*.tar.gz")))
-            if found:
-                return found[0]
-    return None
+    found = nnscaler_peer.tarball()   # the tests' own discovery (tests/nnscaler_peer.py)
+    return str(found) if found is not None else None
 
 
 def unpack_tests(tarball: Path, src: Path) -> None:
