@@ -7,9 +7,9 @@ The GPT of benchmarks/models.py (d=128, 4 heads, sequence 64; 12 blocks, 2 with
 `--quick`), as a new user would compile it:
 - ours: `nnscaler.compile(m, backend="inductor")` (block reuse on, the default: the
   repeated TransformerBlock is one subgraph, compiled once);
-- ours, `block_reuse=False`: the whole graph inlined, as before block reuse;
+- ours (no block reuse), `block_reuse=False`: the whole graph inlined, as before;
 - `torch.compile(m)` (Inductor, its defaults);
-- torch.compile, regional: `torch.compiler.nested_compile_region` on
+- torch.compile (regional): `torch.compiler.nested_compile_region` on
   `TransformerBlock.forward`, then `torch.compile(m)`: Dynamo's own way to compile a
   repeated block once.
 `--systems` picks some of them (comma-separated, by the names in SYSTEMS).
@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Any
 
-SYSTEMS = ("ours", "ours, no block reuse", "torch.compile()", "torch.compile, regional")
+SYSTEMS = ("ours", "ours (no block reuse)", "torch.compile()", "torch.compile (regional)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -77,7 +77,7 @@ def _child(system: str, mode: str, layers: int) -> dict[str, Any]:
         compiled = nnscaler.compile(model, backend="inductor",
                                     block_reuse=system == "ours")
     else:
-        if system == "torch.compile, regional":
+        if system == "torch.compile (regional)":
             models.TransformerBlock.forward = torch.compiler.nested_compile_region(
                 models.TransformerBlock.forward)
         compiled = torch.compile(model)
