@@ -330,7 +330,7 @@ def test_inductor_compiles_the_shared_block(handed_over) -> None:
     model = Stack([Block(8) for _ in range(3)])
     eager = copy.deepcopy(model)
     nnscaler.compile(model, backend="inductor")
-    x = torch.randn(2, 8)
+    x = torch.randn(2, 8, requires_grad=True)   # every block's input needs a gradient
     out = model(x)
     out.sum().backward()
     ref = eager(x)
