@@ -5,8 +5,14 @@
 
 The GPT of benchmarks/models.py (d=128, 4 heads, sequence 64; 12 blocks, 2 with
 `--quick`), as a new user would compile it:
-- ours: `nnscaler.compile(m, backend="inductor")`;
-- `torch.compile(m)` (Inductor, its defaults).
+- ours: `nnscaler.compile(m, backend="inductor")` (block reuse on, the default: the
+  repeated TransformerBlock is one subgraph, compiled once);
+- ours (no block reuse), `block_reuse=False`: the whole graph inlined, as before;
+- `torch.compile(m)` (Inductor, its defaults);
+- torch.compile (regional): `torch.compiler.nested_compile_region` on
+  `TransformerBlock.forward`, then `torch.compile(m)`: Dynamo's own way to compile a
+  repeated block once.
+`--systems` picks some of them (comma-separated, by the names in SYSTEMS).
 Modes: `eval` (batch 1, `eval()`, one forward under no_grad) and `train` (batch 8,
 `train()`, forward, `backward()` and an AdamW step; the optimizer is not compiled).
 
@@ -40,7 +46,7 @@ import tempfile
 import time
 from typing import Any
 
-SYSTEMS = ("ours", "torch.compile()")
+SYSTEMS = ("ours", "ours (no block reuse)", "torch.compile()", "torch.compile (regional)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -65,11 +71,15 @@ def _child(system: str, mode: str, layers: int) -> dict[str, Any]:
     # imports Dynamo and Inductor when it is called; ours, `import nnscaler` and
     # compile(), which import what they need, are counted the same way.
     before, cpu = time.perf_counter(), _tree_cpu()
-    if system == "ours":
+    if system.startswith("ours"):
         import nnscaler
 
-        compiled = nnscaler.compile(model, backend="inductor")
+        compiled = nnscaler.compile(model, backend="inductor",
+                                    block_reuse=system == "ours")
     else:
+        if system == "torch.compile (regional)":
+            models.TransformerBlock.forward = torch.compiler.nested_compile_region(
+                models.TransformerBlock.forward)
         compiled = torch.compile(model)
     if opt is None:
         with torch.no_grad():
@@ -133,11 +143,12 @@ def _fresh_process(system: str, mode: str, layers: int, cache_dir: str) -> dict[
 # -- the parent: rounds, medians, the report ---------------------------------------------
 
 
-def _run(layers: int, modes: list[str], rounds: int, warm: int) -> dict[str, Any]:
+def _run(layers: int, modes: list[str], rounds: int, warm: int,
+         systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
     samples: dict[str, dict[str, dict[str, list[dict]]]] = {
-        mode: {s: {"cold": [], "warm": []} for s in SYSTEMS} for mode in modes}
+        mode: {s: {"cold": [], "warm": []} for s in systems} for mode in modes}
     for r in range(rounds):
-        order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
         for mode in modes:
             for system in order:
                 with tempfile.TemporaryDirectory(prefix="nns-cold-start-") as cache_dir:
@@ -157,7 +168,7 @@ def _run(layers: int, modes: list[str], rounds: int, warm: int) -> dict[str, Any
 
 
 def _median(runs: list[dict], field: str = "first_result_s") -> float:
-    return statistics.median(run[field] for run in runs)
+    return statistics.median(run[field] for run in runs) if runs else float("nan")
 
 
 def _report(meta: dict[str, Any], samples: dict[str, Any]) -> str:
@@ -183,29 +194,35 @@ def _report(meta: dict[str, Any], samples: dict[str, Any]) -> str:
              "| warm process wall s |",
              "|---|---|---|---|---|---|---|"]
     for mode, per_system in samples.items():
-        for system in SYSTEMS:
+        for system in per_system:
             runs = per_system[system]
             lines.append(
                 f"| {mode} | {system} | {_median(runs['cold']):.2f} | "
                 f"{_median(runs['cold'], 'first_result_cpu_s'):.2f} | "
                 f"{_median(runs['warm']):.2f} | {_median(runs['warm'], 'first_result_cpu_s'):.2f} "
                 f"| {_median(runs['warm'], 'process_s'):.2f} |")
-    lines += ["", "Ours / torch.compile(), ratios of the medians:", "",
-              "| mode | cold wall | cold CPU | warm wall | warm CPU |", "|---|---|---|---|---|"]
+    lines += ["", "Each system / torch.compile(), ratios of the medians:", "",
+              "| mode | system | cold wall | cold CPU | warm wall | warm CPU |",
+              "|---|---|---|---|---|---|"]
     for mode, per_system in samples.items():
-        ours, theirs = per_system["ours"], per_system["torch.compile()"]
+        theirs = per_system.get("torch.compile()")
+        for system, ours in per_system.items():
+            if theirs is None or system == "torch.compile()":
+                continue
 
-        def ratio(kind: str, field: str) -> str:
-            return f"x{_median(ours[kind], field) / _median(theirs[kind], field):.2f}"
+            def ratio(kind: str, field: str) -> str:
+                return f"x{_median(ours[kind], field) / _median(theirs[kind], field):.2f}"
 
-        lines.append(f"| {mode} | {ratio('cold', 'first_result_s')} | "
-                     f"{ratio('cold', 'first_result_cpu_s')} | {ratio('warm', 'first_result_s')} | "
-                     f"{ratio('warm', 'first_result_cpu_s')} |")
+            lines.append(f"| {mode} | {system} | {ratio('cold', 'first_result_s')} | "
+                         f"{ratio('cold', 'first_result_cpu_s')} | "
+                         f"{ratio('warm', 'first_result_s')} | "
+                         f"{ratio('warm', 'first_result_cpu_s')} |")
     lines += ["", "Caches in the warm processes (`torch._dynamo.utils.counters`, the first "
               "warm process of each):", ""]
     for mode, per_system in samples.items():
-        for system in SYSTEMS:
-            lines.append(f"- {mode}, {system}: {per_system[system]['warm'][0]['caches']}")
+        for system in per_system:
+            if per_system[system]["warm"]:
+                lines.append(f"- {mode}, {system}: {per_system[system]['warm'][0]['caches']}")
     return "\n".join(lines) + "\n"
 
 
@@ -216,6 +233,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="cold processes per system")
     parser.add_argument("--warm", type=int, default=None, help="warm processes per cold one")
     parser.add_argument("--modes", default="eval,train")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="eval", help=argparse.SUPPRESS)
@@ -227,16 +246,20 @@ def main() -> None:
     from benchmarks.run import _loadavg, machine_info
 
     rounds = args.rounds or 1
-    warm = args.warm or (2 if args.quick else 3)
+    warm = args.warm if args.warm is not None else (2 if args.quick else 3)
     modes = [m for m in args.modes.split(",") if m]
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}; known: {', '.join(SYSTEMS)}")
     meta: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "layers": layers, "rounds": rounds,
-        "warm": warm, "modes": modes, "machine": machine_info(),
+        "warm": warm, "modes": modes, "systems": systems, "machine": machine_info(),
         "command": "python -m benchmarks.cold_start " + " ".join(sys.argv[1:]),
     }
     print(f"machine: {meta['machine']['cpu_model']}, {meta['machine']['cores']} cores, "
           f"Python {meta['machine']['python']}, torch {meta['machine']['torch']}", flush=True)
-    samples = _run(layers, modes, rounds, warm)
+    samples = _run(layers, modes, rounds, warm, systems)
     meta["loadavg_end"] = _loadavg()
     report = _report(meta, samples)
     print(report)

@@ -19,6 +19,7 @@ def compile(
     skip_nnmodule_hook_guards: bool = False,
     cache_size_limit: int = 8,
     dynamic: Optional[bool] = None,
+    block_reuse: bool = True,
 ) -> Any:
     """Compile an `nn.Module` instance (in place; returns the same object), an
     `nn.Module` subclass (every instance is compiled) or a plain function (returns a
@@ -32,9 +33,17 @@ def compile(
     value its guards allow); True makes every dimension of the tensor arguments and
     every int argument symbolic from the first capture; False specialises every
     capture on exact sizes and values.
+
+    `block_reuse`: True (default) compiles a repeated block once.  With a backend that
+    compiles through AOTAutograd ("inductor", "aot_eager"), the submodule calls of a
+    capture that trace to the same operations over inputs of the same metadata (the
+    layers of a transformer) become one subgraph, which the graph calls once per
+    instance with that instance's parameters and buffers; a block that differs in
+    anything its graph depends on keeps its own.  `explain()` lists what is shared.
+    False hands the backend the whole graph inlined.
     """
     config = CompileConfig.create(backend, fullgraph, skip_nnmodule_hook_guards,
-                                  cache_size_limit, dynamic)
+                                  cache_size_limit, dynamic, block_reuse)
     if obj is None:
         return functools.partial(_compile_with, config=config)
     return _compile_with(obj, config=config)

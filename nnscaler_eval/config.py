@@ -20,6 +20,10 @@ class CompileConfig:
     # int seen changing becomes symbolic at the recapture), True symbolic from the
     # first capture, False every capture specialised.
     dynamic: Optional[bool] = None
+    # A repeated block compiled once (runners/block_reuse.py): for backends that
+    # compile with AOTAutograd, the submodule calls that trace to the same nodes are
+    # one subgraph the graph calls per instance.  False: the whole graph inlined.
+    block_reuse: bool = True
     # None for the built-in "eager" backend (the graph as generated Python).
     backend_fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     backend_name: str = "eager"
@@ -40,15 +44,18 @@ class CompileConfig:
         skip_nnmodule_hook_guards: bool = False,
         cache_size_limit: int = 8,
         dynamic: Optional[bool] = None,
+        block_reuse: bool = True,
         **unknown: Any,
     ) -> "CompileConfig":
         if unknown:
             raise TypeError(
                 f"nnscaler.compile(): unknown option(s) {', '.join(sorted(unknown))}; "
-                "known: backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit, dynamic"
+                "known: backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit, dynamic, "
+                "block_reuse"
             )
         for name, value in (("fullgraph", fullgraph),
-                            ("skip_nnmodule_hook_guards", skip_nnmodule_hook_guards)):
+                            ("skip_nnmodule_hook_guards", skip_nnmodule_hook_guards),
+                            ("block_reuse", block_reuse)):
             if not isinstance(value, bool):
                 raise TypeError(f"nnscaler.compile(): {name} must be a bool, not {value!r}")
         if isinstance(cache_size_limit, bool) or not isinstance(cache_size_limit, int) \
@@ -61,7 +68,8 @@ class CompileConfig:
                 f"nnscaler.compile(): dynamic must be None, True or False, not {dynamic!r}")
         backend_fn, backend_name = resolve_backend(backend)
         return cls(backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit,
-                   dynamic=dynamic, backend_fn=backend_fn, backend_name=backend_name)
+                   dynamic=dynamic, block_reuse=block_reuse, backend_fn=backend_fn,
+                   backend_name=backend_name)
 
     @classmethod
     def for_region(cls, backend: Any, **options: Any) -> "CompileConfig":
@@ -80,7 +88,7 @@ class CompileConfig:
             checked = cls.create(backend=backend, **options)
             key = (_backend_key(backend), checked.fullgraph,
                    checked.skip_nnmodule_hook_guards, checked.cache_size_limit,
-                   checked.dynamic)
+                   checked.dynamic, checked.block_reuse)
             config = _REGION_CONFIGS.get(key)
             if config is None:
                 config = dataclasses.replace(checked, region=True)
@@ -96,7 +104,7 @@ class CompileConfig:
     def __reduce__(self) -> Any:
         return (CompileConfig.create, (self.backend, self.fullgraph,
                                        self.skip_nnmodule_hook_guards, self.cache_size_limit,
-                                       self.dynamic))
+                                       self.dynamic, self.block_reuse))
 
 
 class RegionCaches(list):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from torch._guards import TracingContext
 
 from nnscaler_eval import _C, logs
 from nnscaler_eval import capture as tracer
@@ -37,6 +38,7 @@ from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import CompileConfig, adopt_region_bucket
+from nnscaler_eval.runners import block_reuse
 from nnscaler_eval.runners.backends import PerSizeCompiled, compile_graph
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
@@ -71,6 +73,8 @@ class EntryInfo:
     # why the backend compiles this dynamic entry once per size (it refused symbolic
     # inputs), or None
     per_size: Optional[str] = None
+    # the subgraphs the backend compiled once for repeated blocks (block_reuse.SharedBlock)
+    shared_blocks: list = field(default_factory=list)
 
     @property
     def graph_code(self) -> str:
@@ -216,9 +220,9 @@ def _warn_backend_once(config: CompileConfig, code: Any, failure: str, message: 
 
 def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
                     symbolic: bool = False) -> tuple[Callable[..., Any], list[tuple[Any, bool]],
-                                                     Optional[str]]:
-    """The runner for this capture, the extra flag guards it needs, and why the
-    backend compiles it per size (None: it does not).
+                                                     Optional[str], list]:
+    """The runner for this capture, the extra flag guards it needs, why the backend
+    compiles it per size (None: it does not), and the blocks it compiled once.
 
     "eager": the graph as generated Python; training flags stay graph inputs.  Any
     other backend gets the graph with the flags folded to this run's values (AOT
@@ -226,11 +230,13 @@ def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
     A backend that refuses a dynamic capture's symbolic inputs compiles it per size.
     """
     if config.backend_fn is None:
-        return capture.make_runner(), [], None
+        return capture.make_runner(), [], None, []
     gm, example_inputs = capture.backend_graph()
     per_size = None
+    compiled, shared = _compile_shared(config, capture, gm, example_inputs, where)
     try:
-        compiled = compile_graph(config.backend_fn, gm, example_inputs)
+        if compiled is None:
+            compiled = compile_graph(config.backend_fn, gm, example_inputs)
         if not callable(compiled):
             raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
@@ -247,12 +253,40 @@ def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
                 lambda: _backend_full(config, code, where))
         else:
             _backend_failed(config, code, where, exc)
-            return capture.make_runner(), [], None
+            return capture.make_runner(), [], None, []
     n_tensors = len(example_inputs)
     flags = capture.example_inputs()[n_tensors:]
     folded = [(module, bool(value)) for module, value in zip(capture.training_inputs, flags)]
     return (capture.make_runner(compiled, training_folded=True), folded,
-            per_size.refusal if per_size is not None else None)
+            per_size.refusal if per_size is not None else None, shared)
+
+
+def _compile_shared(config: CompileConfig, capture: Any, gm: Any, example_inputs: list[Any],
+                    where: str) -> tuple[Optional[Callable[..., Any]], list]:
+    """The graph compiled with its repeated blocks as one subgraph each
+    (runners/block_reuse.py), and what is shared; (None, []) when the option is off,
+    the backend does not trace with AOTAutograd, nothing repeats, or the compile of
+    the shared form failed (then the caller compiles the plain graph: a block the
+    backend cannot take as a subgraph costs a second compile, never a wrong answer)."""
+    if not (config.block_reuse and isinstance(config.backend, str)
+            and config.backend in block_reuse.REUSING_BACKENDS):
+        return None, []
+    if TracingContext.try_get() is not None:
+        return None, []   # inside torch.compile's own trace: its graph, its regions
+    shared_gm, shared = block_reuse.share_repeated_blocks(gm, example_inputs,
+                                                          capture.inline_calls)
+    if not shared:
+        return None, []
+    try:
+        compiled = compile_graph(config.backend_fn, shared_gm, example_inputs)
+        if not callable(compiled):
+            raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
+    except Exception as exc:
+        logs.recaptures.info("%s: backend %r failed on the graph with shared blocks "
+                             "(%s: %s); compiling it inlined", where, config.backend_name,
+                             type(exc).__name__, exc)
+        return None, []
+    return compiled, shared
 
 
 def convert_frame(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any,
@@ -648,12 +682,13 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
         release_source_with(capture.graph_module)
     folded_flags: list[tuple[Any, bool]] = []
     per_size: Optional[str] = None
+    shared: list = []
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
         runner = None
     else:
-        runner, folded_flags, per_size = _compile_runner(config, capture, code, where,
-                                                          symbolic is not None)
+        runner, folded_flags, per_size, shared = _compile_runner(config, capture, code, where,
+                                                                  symbolic is not None)
         runner_code = getattr(runner, "__code__", None)
         if runner_code is not None:
             _C.mark_skip(runner_code)
@@ -674,6 +709,7 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
     if capture.runner_spec is not None:
         info.object_writes = describe_writes(capture.runner_spec.output.writes,
                                              capture.slot_names)
+    info.shared_blocks = shared
     if symbolic is not None:
         wild, program, words = symbolic.guard_program()
         info.symbols = symbolic.symbols_in_words()

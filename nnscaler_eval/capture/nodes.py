@@ -189,7 +189,7 @@ def _unpack(node: fx.Node, key: Any) -> fx.Node:
     """`node[key]`, in the graph `node` is in (the one being recorded into)."""
     item = node.graph.call_function(operator.getitem, (node, key))
     item.meta["nnscaler_unpack"] = True
-    for key in ("nnscaler_source", "source_loc", "stack_trace"):
+    for key in ("nnscaler_source", "source_loc", "stack_trace", "nnscaler_calls"):
         if key in node.meta:
             item.meta[key] = node.meta[key]
     return item

@@ -108,6 +108,10 @@ class Capture:
     # each `(module, name, value before the call, value written last)`: the runner
     # writes them again on every hit; the guards are built on the values before.
     state_writes: list[tuple[nn.Module, str, Any, Any]] = field(default_factory=list, repr=False)
+    # Submodule calls traced inline, as (path, class, forward's code), indexed by the
+    # `meta["nnscaler_calls"]` of the nodes made in them (runners/block_reuse.py).
+    inline_calls: list[tuple[Optional[str], type, Any]] = field(default_factory=list,
+                                                                repr=False)
 
     @contextlib.contextmanager
     def state_before_writes(self) -> Iterator[None]:

@@ -191,6 +191,11 @@ class Tracer(TorchFunctionMode):
         # A submodule run opaque while its node is made, as (path, class): the last
         # entry of that node's `nn_module_stack` (python_values only).
         self.module_stack: list[tuple[str, type]] = []
+        # Submodule calls traced inline in a static capture, as (path, class, forward's
+        # code), and the indices of those running now: each node made meanwhile
+        # carries them (`meta["nnscaler_calls"]`, runners/block_reuse.py).
+        self.inline_calls: list[tuple[Optional[str], type, Any]] = []
+        self._call_stack: tuple[int, ...] = ()
 
     # -- state -----------------------------------------------------------------
 
@@ -452,7 +457,20 @@ class Tracer(TorchFunctionMode):
                 )
             with self._in_module(module):
                 return self._call_opaque_module(module, args, kwargs)
-        return trace_patches.original_module_call(module, *args, **kwargs)
+        if self.symbolic is not None or self.branch is not None \
+                or self.python_values is not None:
+            return trace_patches.original_module_call(module, *args, **kwargs)
+        forward = module.__dict__.get("forward", type(module).forward)
+        index = len(self.inline_calls)
+        self.inline_calls.append((self.nodes.module_paths.get(id(module)), type(module),
+                                  getattr(getattr(forward, "__func__", forward), "__code__",
+                                          None)))
+        outer = self._call_stack
+        self._call_stack = outer + (index,)
+        try:
+            return trace_patches.original_module_call(module, *args, **kwargs)
+        finally:
+            self._call_stack = outer
 
     @contextlib.contextmanager
     def _in_module(self, module: nn.Module) -> Iterator[None]:
@@ -935,6 +953,8 @@ class Tracer(TorchFunctionMode):
         self.sync_global_state()
         node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
         record_source(node)
+        if self._call_stack:
+            node.meta["nnscaler_calls"] = self._call_stack
         if self.python_values is not None:
             # as nnScaler's tracer sets it: each submodule's path and class, outermost
             # first (its autodist groups operators by it)
@@ -1108,6 +1128,7 @@ class Tracer(TorchFunctionMode):
             metadata_tensors=list(self.metadata_tensors.values()),
             unproven_constants=list(self.unproven_constants.values()),
         )
+        capture.inline_calls = self.inline_calls
         self.metadata_tensors = {}
         # The trace's bookkeeping holds every intermediate tensor: drop it now.
         self.nodes.forget()

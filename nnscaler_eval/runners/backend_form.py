@@ -193,15 +193,32 @@ def annotate_example_values(gm: fx.GraphModule, mode: Any, example_inputs: list[
     try:
         with mode:
             interpreter.run(*fakes)
+            _annotate_subgraphs(gm, mode)
     except Exception:
-        for node in gm.graph.nodes:
-            node.meta.pop("example_value", None)
+        for graph in [gm] + [s for s in gm.children() if isinstance(s, fx.GraphModule)]:
+            for node in graph.graph.nodes:
+                node.meta.pop("example_value", None)
         return False
     finally:
         for context in reversed(interpreter.autocast):
             torch.amp.autocast_mode._exit_autocast(context)
         torch._C._set_grad_enabled(grad)
     return True
+
+
+def _annotate_subgraphs(gm: fx.GraphModule, mode: Any) -> None:
+    """The nodes of each subgraph an `invoke_subgraph` node calls (a block compiled
+    once, runners/block_reuse.py) get their `example_value` too, from its first call,
+    as Dynamo gives them."""
+    done: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph:
+            target = str(node.args[0].target)
+            if target not in done:
+                done.add(target)
+                operands = [a.meta["example_value"] if isinstance(a, fx.Node) else a
+                            for a in node.args[2:]]
+                _FakePropagation(_attr(gm, target), mode).run(*operands)
 
 
 def _is_fake(value: Any) -> bool:

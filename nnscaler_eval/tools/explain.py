@@ -104,6 +104,12 @@ class ExplainReport:
         return [e.key + e.guards for e in self.entries if e.graph_module is not None]
 
     @property
+    def shared_blocks(self) -> list[Any]:
+        """Each subgraph compiled once for repeated blocks (`SharedBlock`: its
+        identifier, the paths of the modules that share it, their class)."""
+        return [b for e in self.entries for b in e.shared_blocks]
+
+    @property
     def fallbacks(self) -> list[Any]:
         return [e.fallback for e in self.entries if e.fallback is not None]
 
@@ -124,6 +130,10 @@ class ExplainReport:
                         lines.append(f"  backend {entry.backend} compiles it once per size: "
                                      f"it refused symbolic inputs ({entry.per_size})")
                 lines += [f"    state {g}" for g in entry.guards]
+                if entry.shared_blocks:
+                    lines.append(f"  compiled once for repeated blocks (backend "
+                                 f"{entry.backend}, block_reuse):")
+                    lines += [f"    {block}" for block in entry.shared_blocks]
                 if entry.state_writes:
                     lines.append("  state written again on every hit (the forward's writes):")
                     lines += [f"    self{'.' + path if path else ''}.{name} = {value!r}"

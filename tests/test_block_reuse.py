@@ -1,0 +1,341 @@
+"""Block reuse (runners/block_reuse.py): the submodule calls of a capture that trace to
+the same operations become one subgraph the backend graph calls per instance through
+`invoke_subgraph`; a block that differs in anything its graph depends on keeps its own;
+answers, gradients and buffers stay eager's; `block_reuse=False` turns it off.
+
+The graph a backend receives is looked at by wrapping `compile_graph` (what
+convert_frame hands the backend); "aot_eager" runs AOTAutograd (which traces each
+invoke_subgraph identifier once) without Inductor's C++ compile.  One test compiles
+with Inductor."""
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nnscaler
+from nnscaler_eval import convert_frame
+
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 16, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim, dtype=dtype)
+        self.up = nn.Linear(dim, 2 * dim, dtype=dtype)
+        self.down = nn.Linear(2 * dim, dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class SameCode(Block):
+    """Another class whose forward is Block's code object."""
+
+
+class BNBlock(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.lin(x))) * 0.5
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum(-1)
+
+
+@pytest.fixture
+def handed_over(monkeypatch: pytest.MonkeyPatch) -> list[torch.fx.GraphModule]:
+    """Every graph convert_frame hands a backend, in order."""
+    graphs: list[torch.fx.GraphModule] = []
+    real = convert_frame.compile_graph
+
+    def recording(backend_fn, gm, example_inputs):
+        graphs.append(gm)
+        return real(backend_fn, gm, example_inputs)
+
+    monkeypatch.setattr(convert_frame, "compile_graph", recording)
+    return graphs
+
+
+def _invokes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is INVOKE]
+
+
+def _run_both(model: nn.Module, x: torch.Tensor, *, train: bool, **options):
+    """Outputs, gradients and buffers of eager and of the compiled copy, and the report."""
+    if train:   # every block's input then needs a gradient, the first one's too
+        x = x.detach().requires_grad_()
+    eager = copy.deepcopy(model).train(train)
+    compiled = copy.deepcopy(model).train(train)
+    nnscaler.compile(compiled, backend="aot_eager", **options)
+    results = []
+    for m in (eager, compiled):
+        if train:
+            out = m(x)
+            out.sum().backward()
+        else:
+            with torch.no_grad():
+                out = m(x)
+        results.append((out.detach(), [p.grad for p in m.parameters()],
+                        [b.clone() for b in m.buffers()]))
+    return results, compiled
+
+
+def _explain(compiled: nn.Module, x: torch.Tensor, train: bool):
+    """explain() under the grad mode the model ran with (grad mode is in the key)."""
+    if train:
+        return nnscaler.explain(compiled, x.detach().requires_grad_())
+    with torch.no_grad():
+        return nnscaler.explain(compiled, x)
+
+
+def _assert_same(results) -> None:
+    (out_e, grads_e, bufs_e), (out_c, grads_c, bufs_c) = results
+    torch.testing.assert_close(out_c, out_e)
+    for g_c, g_e in zip(grads_c, grads_e):
+        if g_e is None:
+            assert g_c is None
+        else:
+            torch.testing.assert_close(g_c, g_e)
+    for b_c, b_e in zip(bufs_c, bufs_e):
+        torch.testing.assert_close(b_c, b_e)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_n_equal_blocks_share_one_subgraph(handed_over, train: bool) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block() for _ in range(4)])
+    x = torch.randn(3, 16)
+    results, compiled = _run_both(model, x, train=train)
+    _assert_same(results)
+    gm = handed_over[-1]
+    invokes = _invokes(gm)
+    assert len(invokes) == 4
+    assert {n.args[1] for n in invokes} == {invokes[0].args[1]}
+    subgraphs = {str(n.args[0].target) for n in invokes}
+    assert len(subgraphs) == 1
+    # the parameters are operands: each call gets its own block's weights
+    weights = [n.args[2:] for n in invokes]
+    assert len({tuple(str(a.target) for a in w if a.op == "get_attr") for w in weights}) == 4
+    # and the subgraph reads no attribute of its own
+    sub = getattr(gm, subgraphs.pop())
+    assert not [n for n in sub.graph.nodes if n.op == "get_attr"]
+
+    report = _explain(compiled, x, train)
+    (block,) = report.shared_blocks
+    assert block.paths == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert block.cls == "Block"
+    assert "share one subgraph: blocks.0, blocks.1, blocks.2, blocks.3" in str(report)
+
+
+def _groups(model: nn.Module, x: torch.Tensor, train: bool = False) -> list[list[str]]:
+    results, compiled = _run_both(model, x, train=train)
+    _assert_same(results)
+    return [b.paths for b in _explain(compiled, x, train).shared_blocks]
+
+
+def test_a_block_of_another_shape_gets_its_own() -> None:
+    torch.manual_seed(0)
+    blocks = [Block(), Block(), Block(), Block()]
+    blocks[2].up = nn.Linear(16, 48)
+    blocks[2].down = nn.Linear(48, 16)
+    assert _groups(Stack(blocks), torch.randn(3, 16)) == [["blocks.0", "blocks.1", "blocks.3"]]
+
+
+def test_a_block_of_another_dtype_gets_its_own() -> None:
+    torch.manual_seed(0)
+
+    class Cast(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.blocks = nn.ModuleList(blocks)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x.to(block.up.weight.dtype)).to(torch.float32)
+            return x.sum(-1)
+
+    blocks = [Block(), Block(dtype=torch.float64), Block(), Block()]
+    assert _groups(Cast(blocks), torch.randn(3, 16)) == [["blocks.0", "blocks.2", "blocks.3"]]
+
+
+def test_a_block_with_a_hook_gets_its_own() -> None:
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(4)]
+    blocks[1].register_forward_hook(lambda m, a, out: out * 2)
+    blocks[3].up.register_forward_pre_hook(lambda m, a: (a[0] + 1,))
+    # The hooked modules run opaque (their hooks on every call), so they are never
+    # part of a subgraph; and a graph that calls user code is not run on fakes,
+    # which block reuse needs: nothing of this graph is shared (a known limit).
+    groups = _groups(Stack(blocks), torch.randn(3, 16))
+    assert all(p not in g for g in groups for p in ("blocks.1", "blocks.3", "blocks.3.up"))
+    assert groups == []
+
+
+def test_another_class_with_the_same_code_gets_its_own() -> None:
+    torch.manual_seed(0)
+    assert SameCode.forward.__code__ is Block.forward.__code__
+    blocks = [Block(), SameCode(), Block(), SameCode(), Block()]
+    assert _groups(Stack(blocks), torch.randn(3, 16)) == [
+        ["blocks.0", "blocks.2", "blocks.4"], ["blocks.1", "blocks.3"]]
+
+
+def test_a_frozen_batchnorm_gets_its_own_and_buffers_update_as_eager() -> None:
+    torch.manual_seed(0)
+    blocks = [BNBlock() for _ in range(4)]
+    blocks[2].bn.eval()   # frozen: running statistics used, not updated
+    model = Stack(blocks)
+    x = torch.randn(5, 16)
+    # In training the other blocks update their running statistics: a subgraph that
+    # writes into its inputs stays inline (_run_both compares the buffers with eager's).
+    results, compiled = _run_both(model, x, train=True)
+    _assert_same(results)
+    compiled_blocks = compiled.blocks
+    compiled_blocks[2].bn.eval()
+    shared = _explain(compiled, x, True).shared_blocks
+    assert all("blocks.2" not in b.paths for b in shared)
+    assert all(not any(p.startswith(("blocks.0", "blocks.1", "blocks.3")) and p.endswith("bn")
+                       for p in b.paths) for b in shared)
+    # In eval every block reads its statistics: all four share.
+    assert _groups(model, x) == [["blocks.0", "blocks.1", "blocks.2", "blocks.3"]]
+
+
+def test_a_different_training_flag_gets_its_own() -> None:
+    torch.manual_seed(0)
+
+    class Flagged(Block):
+        def forward(self, x):
+            y = super().forward(x)
+            return y * 2 if self.training else y
+
+    blocks = [Flagged() for _ in range(4)]
+    model = Stack(blocks)
+    model.train()
+    compiled = copy.deepcopy(model)
+    compiled.blocks[1].eval()
+    reference = copy.deepcopy(compiled)
+    nnscaler.compile(compiled, backend="aot_eager")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), reference(x))
+    assert [b.paths for b in _explain(compiled, x, False).shared_blocks] == [
+        ["blocks.0", "blocks.2", "blocks.3"]]
+
+
+def test_blocks_whose_inputs_differ_share_nothing_wrong() -> None:
+    """The same block fed a view of its input (another stride) or a residual reused
+    later (another output set) gets its own subgraph."""
+    torch.manual_seed(0)
+
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x):
+            a = self.blocks[0](x)
+            b = self.blocks[1](a)
+            c = self.blocks[2](b.t().contiguous().t())   # same values, same strides
+            d = self.blocks[3](x.t().contiguous().t().t().t())
+            return (a + b + c + d).sum(-1)
+
+    results, compiled = _run_both(Skips(), torch.randn(3, 16), train=True)
+    _assert_same(results)
+
+
+def test_block_reuse_false_hands_over_the_inlined_graph(handed_over) -> None:
+    torch.manual_seed(0)
+    results, compiled = _run_both(Stack([Block() for _ in range(3)]), torch.randn(3, 16),
+                                  train=True, block_reuse=False)
+    _assert_same(results)
+    assert handed_over and not _invokes(handed_over[-1])
+    assert _explain(compiled, torch.randn(3, 16), True).shared_blocks == []
+
+
+def test_eager_backend_and_unknown_backends_get_no_subgraphs(handed_over) -> None:
+    torch.manual_seed(0)
+    model = Stack([Block() for _ in range(3)])
+    nnscaler.compile(model)   # eager: the generated runner, no backend graph
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(model(x), Stack.forward(model, x))
+    assert nnscaler.explain(model, x).shared_blocks == []
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm
+
+    other = Stack([Block() for _ in range(3)])
+    nnscaler.compile(other, backend=backend)
+    other(x)
+    assert seen and not _invokes(seen[-1])
+
+
+def test_block_reuse_option_is_checked() -> None:
+    with pytest.raises(TypeError, match="block_reuse must be a bool"):
+        nnscaler.compile(nn.Linear(2, 2), backend="aot_eager", block_reuse="yes")
+
+
+def test_getitem_outputs_and_multiple_outputs() -> None:
+    """A block returning two tensors: the subgraph's outputs are read by index."""
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x, h):
+            y = torch.tanh(self.a(x) + self.b(h))
+            return y * 2, torch.sigmoid(y) + h
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cells = nn.ModuleList(Two() for _ in range(3))
+
+        def forward(self, x):
+            h = x * 0   # needs a gradient as every later h does: all three calls equal
+            for cell in self.cells:
+                x, h = cell(x, h)
+            return x + h
+
+    x = torch.randn(4, 8)
+    assert _groups(Chain(), x, train=True) == [["cells.0", "cells.1", "cells.2"]]
+    assert operator.getitem   # the outer graph reads the tuple by index
+
+
+def test_inductor_compiles_the_shared_block(handed_over) -> None:
+    """One Inductor compile (small): answers and gradients close to eager's, with the
+    block shared."""
+    torch.manual_seed(0)
+    model = Stack([Block(8) for _ in range(3)])
+    eager = copy.deepcopy(model)
+    nnscaler.compile(model, backend="inductor")
+    x = torch.randn(2, 8, requires_grad=True)   # every block's input needs a gradient
+    out = model(x)
+    out.sum().backward()
+    ref = eager(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert len(_invokes(handed_over[-1])) == 3
