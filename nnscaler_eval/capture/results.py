@@ -104,6 +104,9 @@ class Capture:
     # each `(module, name, value before the call, value written last)`: the runner
     # writes them again on every hit; the guards are built on the values before.
     state_writes: list[tuple[nn.Module, str, Any, Any]] = field(default_factory=list, repr=False)
+    # `if` statements on tensors the trace met: converted to torch.cond, or why not
+    # (capture/branches.py, BranchNote)
+    branch_notes: list[Any] = field(default_factory=list)
 
     @contextlib.contextmanager
     def state_before_writes(self) -> Iterator[None]:
