@@ -1,6 +1,8 @@
 # nnscaler-eval: every target creates or reuses its own virtual environment.
 #   make demo    compile a small transformer and show what was captured, guarded, measured
 #   make test    build the extension (-Wall -Wextra, no warnings allowed) and run pytest
+#   make lint    ruff over the Python tree (pyproject.toml) and the source lints
+#                (tests/test_lint.py: C include graph, version tests, ownership notes)
 #   make asan    the same tests on an ASan + UBSan build, in .venv-asan
 #   make leakcheck  refcount/memory soak of the C paths (the suite's soaks, 3x the rounds)
 #   make fuzz    long differential fuzzing of the bytecode rewrite
@@ -13,6 +15,12 @@
 #                (needs valgrind; BENCH_IR_ARGS="--quick --cases inputs,gpt" ...)
 #   make test-nnscaler  against the real Microsoft nnScaler (../shared/peers/), in
 #                .venv-nnscaler: install order/uninstall checks, parallelize end to end
+#   make test-nnscaler-suite  nnScaler's own tests with our capture as its front end
+#                (tests/nnscaler_suite/; NNSCALER_SUITE_ARGS="--mode installed" or
+#                "--mode alone" to compare with nnScaler's own tracer)
+#   make gpu-check  on a machine with a GPU: build with its Python and torch
+#                (GPU_PY=python3), run tests/test_gpu.py and benchmarks/gpu.py, one
+#                report in GPU_OUT; without a GPU both skip cleanly
 PYTHON ?= python3
 PYV ?=
 ifeq ($(PYV),)
@@ -22,10 +30,11 @@ VENV := .venv-$(PYV)
 endif
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+RUFF_SPEC ?= ruff==0.17.6
 PYTEST_ARGS ?=
 
-.PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps \
-	test-nnscaler nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
+.PHONY: all venv build suite demo test asan leakcheck fuzz fuzz-state bench bench-quick bench-ir lint clean sysdeps gpu-check \
+	test-nnscaler test-nnscaler-suite nnscaler-env test-3.12 test-3.13 test-3.14 build-3.12 build-3.13 build-3.14
 
 # Microsoft nnScaler's source (a test oracle, never shipped): ../shared/peers in CI's
 # fresh clone; ../../shared/peers from a worktree under wt/. Override with NNSCALER_PEERS.
@@ -118,6 +127,17 @@ test-nnscaler:
 	    tests/test_nnscaler_dynamic.py; \
 	fi
 
+# nnScaler's own test files that build a graph, run against our capture
+# (tests/nnscaler_suite/run.py says how; expected_failures.txt says which may fail).
+NNSCALER_SUITE_ARGS ?=
+test-nnscaler-suite:
+	@if [ -z "$(NNSCALER_TARBALL)" ]; then \
+	  echo "SKIPPED test-nnscaler-suite: ../shared/peers/nnscaler-*.tar.gz (Microsoft nnScaler's source) not found"; \
+	else \
+	  $(MAKE) nnscaler-env && \
+	  $(NNS_PY) tests/nnscaler_suite/run.py --tarball "$(NNSCALER_TARBALL)" $(NNSCALER_SUITE_ARGS); \
+	fi
+
 asan: sysdeps
 	$(MAKE) VENV=.venv-asan venv
 	NNSCALER_SANITIZE=1 .venv-asan/bin/python -m pip install -q --no-build-isolation --no-deps -e . --force-reinstall
@@ -131,6 +151,13 @@ asan: sysdeps
 	  .venv-asan/bin/python -m pytest -q -x -p no:faulthandler $(PYTEST_ARGS)
 	# leave the normal build in place for the next `make test`
 	rm -f nnscaler_eval/_C*.so
+
+# The source lints read files only: no build, and no conftest (it imports _C).
+lint: venv
+	@[ "$$($(PY) -m ruff --version 2>/dev/null)" = "$(subst ==, ,$(RUFF_SPEC))" ] || \
+	  $(PY) -m pip install -q "$(RUFF_SPEC)"
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --noconftest tests/test_lint.py
 
 leakcheck: build
 	$(PY) -m pytest -q tests/test_leaks.py tests/test_rewrite_leaks.py tests/test_cache_entry.py --run-slow
@@ -171,6 +198,33 @@ bench-ir: build
 	@command -v valgrind >/dev/null 2>&1 || { \
 	  echo "error: bench-ir runs under valgrind's callgrind: apt-get install valgrind"; exit 1; }
 	$(PY) -m benchmarks.bench_ir $(BENCH_IR_ARGS)
+
+# The device machine has its own Python and torch and no package registry: GPU_PY
+# names its interpreter; a .devdeps folder (libxxhash-dev unpacked: `apt-get download
+# libxxhash-dev libxxhash0` and `dpkg -x` each into .devdeps, carried along) stands in
+# for the system headers.  The report: GPU_OUT/gpu-check.md.
+GPU_PY ?= $(PY)
+GPU_OUT ?= build/gpu-check
+gpu-check:
+	@mkdir -p $(GPU_OUT)
+	@deps=$(abspath .devdeps); \
+	if [ -d "$$deps" ]; then \
+	  export CPATH="$$deps/usr/include:$${CPATH:-}" \
+	         LIBRARY_PATH="$$deps/usr/lib/x86_64-linux-gnu:$${LIBRARY_PATH:-}" \
+	         LD_LIBRARY_PATH="$$deps/usr/lib/x86_64-linux-gnu:$${LD_LIBRARY_PATH:-}"; \
+	fi; \
+	if [ "$(GPU_PY)" = "$(PY)" ]; then $(MAKE) --no-print-directory build || exit 1; \
+	else $(GPU_PY) -m pip install -q --no-build-isolation --no-deps -e . || exit 1; \
+	  cp nnscaler_eval_ns.pth "$$($(GPU_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"; fi; \
+	report=$(GPU_OUT)/gpu-check.md; \
+	{ echo "# make gpu-check ($$(date -u +%FT%TZ))"; echo; \
+	  $(GPU_PY) -c 'import platform, torch; print("Python", platform.python_version(), "torch", torch.__version__, "CUDA", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")'; \
+	  echo; echo "## tests/test_gpu.py"; echo; echo '```'; } > $$report; \
+	{ $(GPU_PY) -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1; \
+	  echo $$? > $(GPU_OUT)/tests.rc; } | tail -40 >> $$report; \
+	status=$$(cat $(GPU_OUT)/tests.rc); echo '```' >> $$report; echo >> $$report; \
+	$(GPU_PY) -m benchmarks.gpu $(GPU_ARGS) --out $(GPU_OUT)/gpu-bench.md > /dev/null || status=1; \
+	cat $(GPU_OUT)/gpu-bench.md >> $$report; cat $$report; exit $$status
 
 clean:
 	rm -rf build *.egg-info nnscaler_eval/_C*.so

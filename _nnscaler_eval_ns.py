@@ -11,10 +11,8 @@ puts a finder at the front of `sys.meta_path` (no torch, nothing else imported).
 - asks the other finders for `nnscaler`. If one finds it (nnScaler is installed), that
   package is imported unchanged and, once its `__init__` has run, our public names are
   added onto it (`nnscaler_eval._nnscaler_extend`): `compile`, `export`, `explain`, ...,
-  the submodule `nnscaler.eval_frame`, and `register_op`, whose nnScaler-compatible
-  version registers with both registries. nnScaler's own names are never replaced
-  except `register_op`, which accepts nnScaler's signature and returns what nnScaler's
-  returns;
+  and the submodule `nnscaler.eval_frame`. nnScaler's own names are never replaced
+  (`register_op` stays nnScaler's; its registry hands each function to ours);
 - otherwise imports our own package, `nnscaler_eval/_nnscaler/`, under the name
   `nnscaler` (what `import nnscaler` gave before nnScaler could be installed beside us).
 

@@ -1,4 +1,4 @@
-"""Build of nnscaler-eval: one C extension, nnscaler_eval._C, from csrc/ and guards/.
+"""Build of nnscaler-eval: one C extension, nnscaler_eval._C, from compat/, csrc/ and guards/.
 
 NNSCALER_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
 (`make asan`); NNSCALER_DEBUG=1 keeps assertions and turns optimisation off.
@@ -52,7 +52,9 @@ if sanitize:
 if os.environ.get("NNSCALER_WERROR") == "1":
     extra_compile_args.append("-Werror")
 
-sources = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("guards/*.c"))
+# compat/ is the version layer below both csrc/ (the shim) and guards/ (docs/design.md).
+sources = [path for folder in ("compat", "csrc", "guards")
+           for path in sorted(glob.glob(f"{folder}/*.c"))]
 # The one C++ translation unit (guards/tensor_meta.cpp) reads tensors through the
 # headers of the torch installed at build time; its own flags are set in
 # build_ext_per_language (setuptools passes one set of flags to every source).
@@ -110,7 +112,7 @@ setup(
             "nnscaler_eval._C",
             sources=sources,
             language="c++",   # linked by the C++ driver: libstdc++ for tensor_meta.cpp
-            include_dirs=["csrc", "guards"],
+            include_dirs=["compat", "csrc", "guards"],
             libraries=libraries,
             library_dirs=library_dirs,
             runtime_library_dirs=runtime_dirs,

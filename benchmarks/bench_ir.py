@@ -365,8 +365,6 @@ def group_inputs(quick: bool) -> list[Point]:
     """A forward that adds up 1/4/16/32 tensor arguments (and 1), (1, 8) each, no_grad."""
     import torch
 
-    from benchmarks import models
-
     points = []
     for k in (1, 4, 16, 32):
         base = adder(k)
@@ -775,7 +773,7 @@ def worker(groups: list[str], quick: bool, meta_path: str) -> None:
     configure_dynamo()
     marks = Marks()
     t0 = time.time()
-    print(f"worker: imports done", flush=True)
+    print("worker: imports done", flush=True)
     built: list[tuple[str, list[Point], float]] = []
     for group in groups:
         t = time.time()

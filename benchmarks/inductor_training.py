@@ -23,7 +23,6 @@ milliseconds per step (thread CPU time) and the ratio ours / torch.compile().
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -19,6 +19,7 @@
 #include "cache_table.h"
 #include "frame_record.h"
 #include "call_key.h"
+#include "call_key_reader.h"
 #include "arming.h"
 #include "frame_calls.h"
 #include "nns_globals.h"

@@ -16,7 +16,8 @@
  * evaluators underneath an armed region the two called each other forever.
  * Dynamo installs its shim itself whenever it runs compiled code, so it needs
  * nothing from a chain; the previous evaluator is only restored on disarm.
- * Inline: the hook's every frame not replaced ends here.  Runs Python (the frame). */
+ * Inline: the hook's every frame not replaced ends here.  New reference, NULL on
+ * error.  Runs Python (the frame). */
 static inline PyObject *
 frame_run_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
@@ -37,7 +38,7 @@ PyObject *frame_run_code(PyThreadState *ts, NnsFrame *frame, PyObject *code, int
 
 /* Evaluate the frame (its rewritten code if any) with the current region: used by
  * dispatch.c to run a target eagerly, the hook still armed so that the forwards it
- * calls are intercepted.  Runs Python (the frame). */
+ * calls are intercepted.  New reference, NULL on error.  Runs Python (the frame). */
 PyObject *frame_run_eagerly(PyThreadState *ts, NnsFrame *frame, CodeState *cs);
 
 /* Calls `callable` with the frame-style argument slots of `code` rebound as a
@@ -48,7 +49,7 @@ PyObject *call_with_slots(PyObject *callable, PyCodeObject *code, PyObject *cons
 /* Number of argument slots of `code`: parameters, plus *args and **kwargs. */
 Py_ssize_t code_arg_slots(PyCodeObject *code);
 
-/* A new function running `code` with the globals and closure of `func`. New ref.
+/* A new function running `code` with the globals and closure of `func`.  New reference.
  * Runs no Python code. */
 PyObject *function_with_code(PyObject *func, PyObject *code);
 

@@ -37,7 +37,8 @@ void frame_record_note(NnsFrame *frame);
 
 /* record_functions(on) -> previous set or None: `on` true starts recording into a
  * new set (returning the one being recorded into, to be restored later); false
- * stops.  Python functions of _C (module.c). */
+ * stops.  Python functions of _C (module.c); these and the two below return a new
+ * reference, NULL with an exception set. */
 PyObject *frame_record_start(PyObject *module, PyObject *noargs);
 PyObject *frame_record_stop(PyObject *module, PyObject *previous);
 /* record_functions_pause() -> token: no recording until record_functions_resume(token)

@@ -19,11 +19,13 @@
 /* _C.set_hooked_call(registries, wrapped_call_impl, call_impl, get_tracing_state):
  * torch.nn.modules.module (whose _global_* hook dicts are read per call), the
  * functions nn.Module.__call__ and _call_impl are, and torch's tracing-state query.
- * Held for the process.  Runs no Python. */
+ * Held for the process.  New reference (None); NULL with a TypeError.  Runs no
+ * Python. */
 PyObject *hooked_call_setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* _C.call_hooked(module, args_tuple, kwargs_dict): as described above.  Runs the
- * module's hooks and forward (any Python). */
+/* _C.call_hooked(module, args_tuple, kwargs_dict): as described above.  New
+ * reference (what the call returns), NULL with an exception set.  Runs the module's
+ * hooks and forward (any Python). */
 PyObject *hooked_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

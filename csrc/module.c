@@ -398,7 +398,7 @@ static PyMethodDef module_methods[] = {
      "(\"int\", offset) or (\"other\", offset) in the key's bytes."},
     {"call_key_nested_layout", cache_call_key_nested_layout, METH_O,
      "call_key_nested_layout(key) -> tuple: the tensor, int and float fields inside\n"
-     "structured objects, (kind, offset[, ndim], path) (guards/call_key.h)."},
+     "structured objects, (kind, offset[, ndim], path) (guards/call_key_reader.h)."},
     {"set_key_struct_types", cache_set_key_struct_types, METH_O,
      "set_key_struct_types(classes): key instances of exactly these classes by type and\n"
      "__dict__ (transformers KV caches), not identity."},

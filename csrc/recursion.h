@@ -30,7 +30,8 @@
 #include "compat.h"
 
 /* recursion_depth() -> int: the units of the recursion limit in use at the calling
- * Python frame (that frame counted, this call not).  Never raises. */
+ * Python frame (that frame counted, this call not).  New reference; raises only
+ * when the int cannot be allocated. */
 PyObject *recursion_depth(PyObject *module, PyObject *noargs);
 
 /* call_at_depth(depth, fn, /, *args, **kwargs): fn(*args, **kwargs), run as if
@@ -59,7 +60,8 @@ PyObject *call_with_mode_replaced(PyObject *module, PyObject *const *args,
                                   Py_ssize_t nargs, PyObject *kwnames);
 
 /* _stack_room() -> (free, size): bytes of C stack left below this point on this
- * thread, and the thread's stack size; (-1, -1) where unknown.  For tests. */
+ * thread, and the thread's stack size; (-1, -1) where unknown.  For tests.  New
+ * reference, NULL with an exception set. */
 PyObject *recursion_stack_room(PyObject *module, PyObject *noargs);
 
 #endif

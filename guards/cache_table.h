@@ -54,7 +54,8 @@ CacheTable *cache_tables_find(CacheTableSet *set, PyObject *config);
  * configs are dropped when the set grows).  NULL with an exception set on error.
  * May run Python (what dropped tables release). */
 CacheTable *cache_tables_ensure(CacheTableSet *set, PyObject *config);
-/* New list of every live bucket of every table.  NULL with an exception set. */
+/* New reference: a list of every live bucket of every table.  NULL with an
+ * exception set. */
 PyObject *cache_tables_buckets(CacheTableSet *set);
 /* reset(): the set is emptied and every bucket of its tables retired.  Never
  * fails; may run Python. */
@@ -74,7 +75,8 @@ CacheBucket *cache_table_find(CacheTable *table, PyObject *owner);
  * exception set on error.  May run Python (dropping dead buckets' slots). */
 CacheBucket *cache_table_add(CacheTable *table, PyObject *owner, PyObject *home);
 
-/* New list of the table's live buckets.  NULL with an exception set on error. */
+/* New reference: a list of the table's live buckets.  NULL with an exception set
+ * on error. */
 PyObject *cache_table_buckets(CacheTable *table);
 
 /* reset(): every bucket of the table is retired (`dead`, its entries and counters

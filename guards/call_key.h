@@ -12,7 +12,8 @@
  * `self` in a CacheBucket.
  *
  * One encoding, one description: logs and explain() show call_key_describe() of
- * these bytes (the encoding's only decoder), so what they show is what a hit compares.
+ * these bytes (call_key_reader.h, the encoding's only decoder), so what they show is
+ * what a hit compares.  The bytes are laid out in call_key_format.h.
  */
 #ifndef NNSCALER_CALL_KEY_H
 #define NNSCALER_CALL_KEY_H
@@ -77,35 +78,11 @@ uint64_t call_key_hash(const CallKey *key);
  * `src` is left empty. */
 void call_key_move(CallKey *dst, CallKey *src);
 
-/* Give a key built without CALL_KEY_PINS the pins a build with it would have
- * collected, read from its own bytes: the addresses it names are pinned in order.
- * Only sound when no code ran since the build began (CALL_KEY_RAN_PYTHON unset):
- * then every object the key names is still the one reachable from the arguments, at
- * that address.  0, or -1 with an exception set.  Runs no Python before it holds
- * every object it pins (the pins' allocation may run the GC). */
-int call_key_pin_from_bytes(CallKey *key);
-
-/* The key in words, decoded from the bytes the hit path compares: a tuple of str,
- * "grad_mode: True" and then one line per argument value, "name: description" with
- * `names` (a tuple of str, borrowed, or NULL: "#i: ...").  Addresses the key pins are
- * named through `pins` (borrowed list or NULL); nothing else is dereferenced.  Runs no
- * Python code: no attribute of any argument is read.  NULL with an exception set. */
-PyObject *call_key_describe(const unsigned char *data, size_t len, PyObject *pins,
-                            PyObject *names);
-
-/* Where the fields a dynamic entry may make symbolic lie (shape_guards.h): a tuple
- * with one item per argument value, ("tensor", offset of its sizes, ndim) for a
- * tensor read in C++ (its strides follow its sizes), ("int", offset) for an int, ("float", offset) for a float (a double),
- * ("other", offset of its record) for anything else.  Runs no Python; NULL with
- * an exception set (a malformed key). */
-PyObject *call_key_layout(const unsigned char *data, size_t len);
-
-/* The fields inside structured objects (TAG_STRUCT, call_key_set_struct_types), which
- * call_key_layout reports as one "other" item: ("tensor", sizes offset, ndim, path),
- * ("int", offset, path), ("float", offset, path), in key order; `path` is the top-level
- * value's index, then steps ("a", attribute name), ("k", dict key) or ("i", index).
- * Runs no Python; NULL with an exception set (a malformed key). */
-PyObject *call_key_nested_layout(const unsigned char *data, size_t len);
+/* Pin `obj` (borrowed) in `key` as a build with CALL_KEY_PINS does: a weak reference
+ * to it, or the object itself where it cannot be weakly referenced, appended to the
+ * key's pins (call_key_pin_from_bytes).  0, or -1 with an exception set.  May run
+ * Python: the allocation may start the GC. */
+int call_key_pin(CallKey *key, PyObject *obj);
 
 /* Key instances of exactly these classes (a tuple; it replaces the last one) by
  * their type and instance __dict__, by value as a dict is, in place of identity
@@ -125,7 +102,8 @@ typedef struct {
 
 extern PyTypeObject CallKey_Type;
 
-/* A new, empty CallKey object whose key collects pins.  NULL with an exception set. */
+/* New reference: an empty CallKey object whose key collects pins.  NULL with an
+ * exception set. */
 CallKeyObject *call_key_object_new(void);
 
 #endif

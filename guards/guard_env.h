@@ -1,7 +1,8 @@
 /* guard_env.h - what guards/ takes from the rest of the extension: a few objects
  * set once at install time.  Besides this header, guards/ depends only on the
- * object-level version layer (csrc/compat_objects.h); nothing here includes csrc/'s other headers, so the
- * data flows one way: the shim (csrc/) calls guards, guards never call back.
+ * object-level half of the version layer (compat/compat_objects.h); nothing here
+ * includes a header of csrc/, so the data flows one way: the shim (csrc/) calls
+ * guards, guards never call back.
  *
  * All fields are strong references owned by this struct for the life of the
  * process; NULL until nnscaler_eval._C.install() has run (module.c fills them).

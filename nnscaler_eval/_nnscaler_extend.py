@@ -20,7 +20,7 @@ import types
 from types import ModuleType
 from typing import Any
 
-from nnscaler_eval import api, microsoft_nnscaler
+from nnscaler_eval import api, microsoft_nnscaler, runtime
 
 # Names of ours that replace nnScaler's: none (ours are added only where nnScaler has
 # no attribute of that name).
@@ -39,6 +39,7 @@ def extend(package: ModuleType) -> None:
     package.__dict__.setdefault("__nnscaler_eval_names__", tuple(api.__all__))
     _add_eval_frame(package)
     _route_nnscaler_ifexpr()
+    _route_nnscaler_leaves()
 
 
 def _route_nnscaler_ifexpr() -> None:
@@ -66,6 +67,37 @@ def _route_nnscaler_ifexpr() -> None:
 def _ifexpr_trampoline(cond: Any, true_value: Any, false_value: Any, *,
                        _nnscaler_eval_ifexpr: Any) -> Any:
     return _nnscaler_eval_ifexpr(cond, true_value, false_value)
+
+
+# nnScaler's runtime functions its tracer keeps as leaves (besides ifexpr), that our
+# captures must keep as nodes too when they export for nnScaler.
+LEAVES = ("fold_constant",)
+
+
+def _route_nnscaler_leaves() -> None:
+    """Each of LEAVES gets a trampoline as its code, as ifexpr does: one node of the
+    function itself in an export for nnScaler (runtime.nnscaler_leaf), its own body
+    (kept as `__wrapped__`) everywhere else."""
+    runtime_function = microsoft_nnscaler.module("runtime.function.function")
+    for name in LEAVES:
+        fn = getattr(runtime_function, name, None)
+        if (not isinstance(fn, types.FunctionType) or fn.__closure__
+                or getattr(fn, "__nnscaler_eval_routed__", False)):
+            continue
+        body = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+        body.__kwdefaults__ = fn.__kwdefaults__
+        body.__qualname__, body.__module__, body.__doc__ = (fn.__qualname__, fn.__module__,
+                                                            fn.__doc__)
+        fn.__code__ = _leaf_trampoline.__code__
+        fn.__defaults__ = None
+        fn.__kwdefaults__ = {"_nnscaler_eval_leaf": (runtime.nnscaler_leaf, fn, body)}
+        fn.__wrapped__ = body  # type: ignore[attr-defined]
+        fn.__nnscaler_eval_routed__ = True  # type: ignore[attr-defined]
+
+
+def _leaf_trampoline(*args: Any, _nnscaler_eval_leaf: Any, **kwargs: Any) -> Any:
+    call, target, body = _nnscaler_eval_leaf
+    return call(target, body, *args, **kwargs)
 
 
 def _add_eval_frame(package: ModuleType) -> None:

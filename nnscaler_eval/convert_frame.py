@@ -29,6 +29,7 @@ import torch
 from nnscaler_eval import _C, logs
 from nnscaler_eval.capture import dynamic, training
 from nnscaler_eval.capture.passed_objects import describe_writes
+from nnscaler_eval.capture import hook_nodes
 from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.guarding import state_guards
 from nnscaler_eval.tracing import trace_state
@@ -457,8 +458,8 @@ def _capture(config: Any, fn: Callable[..., Any], code: Any, self: Any, slots: t
         # eager's, and cache_info() counts it as a call run eagerly (C counts the
         # calls it runs eagerly itself: cached fallbacks, the limit, early ones).
         bucket.fallbacks += 1
-    if capture.fallback is not None and capture.fallback.reason.startswith(
-            (_NOT_CACHED, _NOT_CACHED_RECORD)):
+    if capture.fallback is not None and (capture.fallback.retry or capture.fallback.reason.startswith(
+            (_NOT_CACHED, _NOT_CACHED_RECORD, _NOT_CACHED_HOOKS))):
         # Caching this capture's fallback would send later, ordinary calls with the
         # same key to eager for good: keep nothing, the next call captures again.
         logs.fallbacks.debug("%s not cached: %s", where, capture.fallback)
@@ -500,6 +501,7 @@ def _uncached(config: Any, capture: Any, what: str, exc: Exception) -> tuple[Any
 
 _NOT_CACHED = "an input tensor is also"
 _NOT_CACHED_RECORD = "the code that ran could not be recorded"
+_NOT_CACHED_HOOKS = "not cached until hooks run as nodes:"
 
 
 def _forward_line(code: Any) -> tuple[str, int]:
@@ -625,6 +627,12 @@ def _unreplayable(capture: Any, recorder: Any, mutable: list, found: Any,
         state.update(id(t) for t in module.buffers(recurse=False))
     for constant in getattr(capture, "unproven_constants", ()):
         if id(constant) not in state:
+            followed = hook_nodes.escaped({id(m): m for m in capture.opaque_modules})
+            if followed:
+                return (f"{_NOT_CACHED_HOOKS} a tensor made inside "
+                        f"{', '.join(sorted(set(followed)))}, run opaque for its forward "
+                        "hooks, reached the graph as a constant: from the next capture its "
+                        "forward is traced and its hooks run as graph nodes")
             return ("a tensor computed outside torch function dispatch reached the "
                     "graph as a constant (a later call would replay this run's value)")
     inputs = capture.example_inputs()

@@ -24,6 +24,7 @@ that happened.
 from __future__ import annotations
 
 import importlib
+from collections import namedtuple
 import inspect
 import re
 import types
@@ -401,14 +402,21 @@ def keep_buffer_persistence(gm: fx.GraphModule, module: nn.Module) -> None:
                 sub._non_persistent_buffers_set.add(name)
 
 
-def _plain_structure(spec: pytree.TreeSpec) -> bool:
+def _plain_structure(spec: pytree.TreeSpec, named_tuples: bool = False) -> bool:
+    """Containers fx writes into a graph's output: tuples, lists, dicts with str keys,
+    and with `named_tuples` named tuples and torch's structseqs (`x.max(dim)`)."""
     if spec.is_leaf():
         return True
-    if spec.type not in (tuple, list, dict, type(None)):
+    if spec.type not in (tuple, list, dict, type(None)) and not (
+            named_tuples and (spec.type is namedtuple or _structseq(spec.type))):
         return False
     if spec.type is dict and not all(isinstance(k, str) for k in spec.context):
         return False
-    return all(_plain_structure(child) for child in spec.children())
+    return all(_plain_structure(child, named_tuples) for child in spec.children())
+
+
+def _structseq(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "n_fields")
 
 
 def _module_path(root: nn.Module, module: nn.Module) -> str:

@@ -39,7 +39,9 @@ swapped for `export_for_nnscaler` for the duration of the call.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+from collections import namedtuple
 import inspect
 import linecache
 import operator
@@ -65,7 +67,7 @@ from nnscaler_eval.export import (
     _plain_structure,
     keep_buffer_persistence,
 )
-from nnscaler_eval.register_op import nnscaler_op_signature, nnscaler_runtime_function
+from nnscaler_eval.register_op import nnscaler_runtime_function
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.tracing import trace_patches
 
@@ -167,12 +169,13 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             target = "*" + param.name
         elif param.kind is inspect.Parameter.VAR_KEYWORD:
             target = "**" + param.name
-        if target.startswith("*") and bound.arguments.get(param.name):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL and bound.arguments.get(param.name):
+            # (nnScaler's tracer refuses them too: "*args is not supported")
             raise ExportError(f"export_for_nnscaler: {target} of {_forward_name(module)} is "
-                              "given values; nnScaler takes no *args/**kwargs inputs")
+                              "given values; nnScaler takes no *args inputs")
         param_nodes[param.name] = graph.placeholder(target)
 
-    env: dict[fx.Node, Any] = {}
+    env = _Env(graph)
     attrs: dict[str, Any] = {}
     flags = iter(result.training_inputs)
     inlined = {node for node in source.graph.nodes if _as_ifexprs(node)}
@@ -185,10 +188,19 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                 attrs[target] = _fetch(module, target)
                 env[old] = graph.get_attr(target)
             else:
+                param = params[info.slot - 1] if 0 < info.slot <= len(params) else None
+                if param is not None and param.kind is inspect.Parameter.VAR_KEYWORD:
+                    raise ExportError(
+                        f"export_for_nnscaler: the forward reads a tensor from **{param.name} "
+                        f"({_forward_name(module)}); nnScaler's generated code cannot read "
+                        f"from **kwargs: make it a named parameter")
                 node = param_nodes[result.slot_names[info.slot]]
-                for key in info.keys:
-                    node = _key_access(graph, node, key)
-                env[old] = node
+                if info.keys:
+                    # `sample['y']` where the forward first reads it, as nnScaler's
+                    # tracer records it (its graph's order is the forward's)
+                    env.deferred[old] = (node, info.keys)
+                else:
+                    env[old] = node
             continue
         if old.op == "output":
             flat = old.args[0]
@@ -214,6 +226,11 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             raise ExportError(f"export_for_nnscaler: {new.target} is called as an opaque "
                               f"module (it has hooks) at {_where(old)}; nnScaler's parser "
                               "needs its forward traced: remove the hooks to export")
+    _drop_unused_reads(graph)
+    for node in graph.nodes:
+        # nnScaler's tracer gives every node its module scope, empty at the root (the
+        # tracer sets it on the nodes it records; those made here are the root's)
+        node.meta.setdefault("nn_module_stack", collections.OrderedDict())
     graph.lint()
     gm = ExportedGraphModule(attrs, graph, class_name=type(module).__name__ + "NnscalerGraph")
     keep_buffer_persistence(gm, module)
@@ -271,6 +288,31 @@ def _inline_ifexprs(graph: fx.Graph, node: fx.Node, source: fx.GraphModule,
     return tuple(results)
 
 
+# Nodes that only read a value (an item of an op's outputs, a shape, Python's operators
+# on numbers): with no users they are dropped, as nnScaler's tracer drops them, so that
+# `(n, _) = x.shape` or an output left unpacked adds no operator to nnScaler's graph.
+_READ_METHODS = frozenset({"size", "get", "item", "dim"})
+_READ_FUNCTIONS = frozenset({
+    getattr, operator.getitem, operator.add, operator.sub, operator.mul,
+    operator.truediv, operator.floordiv, operator.mod, operator.pow, operator.neg,
+    operator.pos, operator.abs, operator.eq, operator.ne, operator.lt, operator.le,
+    operator.gt, operator.ge, operator.and_, operator.or_, operator.xor,
+    operator.invert, operator.not_, operator.lshift, operator.rshift,
+})
+
+
+def _drop_unused_reads(graph: fx.Graph) -> None:
+    for node in reversed(graph.nodes):
+        if node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if node.op == "call_method":
+            pure = node.target in _READ_METHODS
+        else:
+            pure = node.target in _READ_FUNCTIONS
+        if pure:
+            graph.erase_node(node)
+
+
 def _forward_name(module: nn.Module) -> str:
     return f"{type(module).__qualname__}.forward"
 
@@ -288,6 +330,24 @@ def _fetch(module: nn.Module, target: str, fallback: Optional[nn.Module] = None)
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+class _Env(dict):
+    """The new graph's node for each node of the capture's; an input read from inside
+    an argument (`deferred`: its argument's node and the keys) gets its getitem nodes
+    when a node first uses it."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.deferred: dict[fx.Node, tuple[fx.Node, tuple]] = {}
+
+    def __missing__(self, old: fx.Node) -> fx.Node:
+        node, keys = self.deferred.pop(old)
+        for key in keys:
+            node = _key_access(self.graph, node, key)
+        self[old] = node
+        return node
 
 
 def _key_access(graph: fx.Graph, node: fx.Node, key: Any) -> fx.Node:
@@ -314,6 +374,11 @@ def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
         raise ExportError(f"export_for_nnscaler: {construct} at {_where(node)} cannot be "
                           "expressed in nnScaler's graph (it has no conditional op); use "
                           "`a if self.training else b` or a registered op")
+    function_class = getattr(target, "__autograd_function__", None)
+    if function_class is not None:
+        # nnScaler knows a custom autograd op by `Cls.apply` itself, bound to its class
+        node.target = function_class.apply
+        return
     if getattr(target, "__nnscaler_op__", None) is not None or hasattr(target, "op_name"):
         runtime_fn = nnscaler_runtime_function(target)
         if runtime_fn is None:
@@ -360,11 +425,12 @@ def _output(result: Capture, flat: Any, env: dict[fx.Node, fx.Node],
     flat_new = [env[n] if isinstance(n, fx.Node) else n for n in flat]
     leaves = layout.leaf_values(flat_new.__getitem__,
                                 lambda slot: param_nodes[result.slot_names[slot]])
-    if _plain_structure(layout.spec):
+    if _plain_structure(layout.spec, named_tuples=True):
         return pytree.tree_unflatten(leaves, layout.spec)
-    raise ExportError(f"export_for_nnscaler: the forward returns a {layout.spec.type.__name__}"
-                      ", which nnScaler's graph cannot hold; return tensors, tuples, lists "
-                      "or dicts")
+    kind = layout.spec.context if layout.spec.type is namedtuple else layout.spec.type
+    raise ExportError(f"export_for_nnscaler: the forward returns a {kind.__name__}, which "
+                      "nnScaler's graph cannot hold as an output; return tensors, numbers "
+                      "and shapes in tuples (named ones too), lists or dicts with str keys")
 
 
 # -- nnScaler's metadata ---------------------------------------------------------------
@@ -373,10 +439,25 @@ _FRAME_NAME = re.compile(r", in (\S+)")
 
 
 class _MetadataInterpreter(fx.Interpreter):
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(target, str) and target.startswith("**"):
+            return next(self.args_iter)   # the dict, handed over as one input
+        return super().placeholder(target, args, kwargs)
+
     def run_node(self, n: fx.Node) -> Any:
-        extract_metadata = microsoft_nnscaler.module("graph.tracer.metadata").extract_metadata
+        metadata = microsoft_nnscaler.module("graph.tracer.metadata")
+        extract_metadata = metadata.extract_metadata
+        # the node's op context as it was when the trace made it (`with
+        # nnscaler.constant_folding():` in the forward); _add_metadata puts it back after
+        metadata._GLOBAL_OP_CONTEXT.constant_folding = n.meta.get("nnscaler_constant_folding")
         value = super().run_node(n)
-        extract_metadata(value, n)
+        if n.op == "call_function" and n.target is operator.setitem \
+                and isinstance(n.args[0], fx.Node):
+            # as nnScaler's tracer records it: the tensor written into, which its
+            # to_fx_graph then makes setitem's result (SSA)
+            extract_metadata(self.env[n.args[0]], n)
+        else:
+            extract_metadata(value, n)
         return value
 
 
@@ -390,7 +471,12 @@ def _add_metadata(gm: fx.GraphModule, module: nn.Module, bound: inspect.BoundArg
         name = node.target.lstrip("*")
         value = bound.arguments.get(name)
         inputs.append(value)
-    _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    context = microsoft_nnscaler.module("graph.tracer.metadata")._GLOBAL_OP_CONTEXT
+    before = context.constant_folding
+    try:
+        _MetadataInterpreter(gm).run(*inputs)  # buffers and RNG: restored by _state_kept
+    finally:
+        context.constant_folding = before
     _drop_state_changes(gm)
     for node in gm.graph.nodes:
         src = node.meta.get("nnscaler_source")

@@ -31,3 +31,14 @@ def ifexpr(cond: Any, true_value: T, false_value: F) -> "T | F":
 
 
 ifexpr.__module__ = "nnscaler.runtime.function"
+
+
+def nnscaler_leaf(target: Any, body: Any, *args: Any, **kwargs: Any) -> Any:
+    """nnScaler's runtime function `target` (`fold_constant`), whose own code is `body`,
+    called: in an export for nnScaler, one `call_function` node of `target` (nnScaler's
+    tracer keeps it as a leaf; its parser acts on it); otherwise `body(...)`."""
+    tracer = current_tracer()
+    values = getattr(tracer, "python_values", None) if tracer is not None else None
+    if values is not None and tracer.recording:
+        return values.leaf(target, body, args, kwargs)
+    return body(*args, **kwargs)

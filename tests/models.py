@@ -1,7 +1,6 @@
 """Models shared by the capture tests and the demo-like checks."""
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

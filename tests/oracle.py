@@ -4,8 +4,10 @@
   made before (equal parameters, buffers and state).
 - `assert_same(got, want)`: the same structure (types, lengths, keys, None where None)
   and every leaf equal: tensors by shape, dtype and values (exactly, or within
-  `rtol`/`atol`), anything else by `==`.  A shorter output, an extra key or a tensor
-  where eager returns a number fails, and the message names the path (`[1]['logits']`).
+  `rtol`/`atol`; NaN equal to NaN), objects of the same class by their `__dict__` (a
+  KV cache each call makes anew), anything else by `==`.  A shorter output, an extra
+  key or a tensor where eager returns a number fails, and the message names the path
+  (`[1]['logits']`).  `same(got, want)`: the same answer as a bool.
 - `agree(compiled, eager, *args, expect=..., **kwargs)`: call both, compare, and
   check how the compiled call was served, from `nnscaler.cache_info`: `"hit"` (a
   cache hit, no capture), `"capture"` (one capture more), `"eager"` (a fallback:
@@ -37,10 +39,11 @@ def assert_same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0,
         assert got.dtype == want.dtype, f"{where}: dtype {got.dtype}, eager {want.dtype}"
         if got.layout != torch.strided or want.layout != torch.strided:
             got, want = got.to_dense(), want.to_dense()
-        if rtol == 0.0 and atol == 0.0:
-            assert torch.equal(got, want), f"{where}: values differ from eager's"
-        else:
-            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=where)
+        try:
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=rtol, atol=atol,
+                                       equal_nan=True)
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: values differ from eager's: {exc}") from None
         return
     if dataclasses.is_dataclass(want) and not isinstance(want, type):
         assert type(got) is type(want), f"{where}: {type(got).__name__}, eager {type(want).__name__}"
@@ -66,6 +69,14 @@ def assert_same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0,
         assert_same(vars(got), vars(want), rtol=rtol, atol=atol, path=f"{path}.__dict__")
         return
     assert got == want, f"{where}: {got!r}, eager {want!r}"
+
+
+def same(got: Any, want: Any, *, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    try:
+        assert_same(got, want, rtol=rtol, atol=atol)
+    except AssertionError:
+        return False
+    return True
 
 
 def served(compiled: Any) -> tuple[int, int, int]:

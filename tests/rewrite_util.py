@@ -6,7 +6,7 @@ import opcode
 import sys
 import types
 from collections.abc import Callable
-from typing import Any, Tuple
+from typing import Any
 
 from nnscaler_eval import _C
 from nnscaler_eval.runtime import ifexpr

@@ -134,7 +134,7 @@ def test_resize_in_place_between_calls_is_a_miss():
 
 # --------------------------------------------------------------------------------
 # The key in words: _C.describe_call_key decodes the bytes the hit path compares
-# (guards/call_key.c), the only description of the key logs and explain() show.
+# (guards/call_key_reader.c), the only description of the key logs and explain() show.
 
 import gc
 

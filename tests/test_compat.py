@@ -1,4 +1,4 @@
-"""The compat layer's version-neutral contracts (csrc/compat.h), on whatever CPython
+"""The compat layer's version-neutral contracts (compat/compat.h), on whatever CPython
 runs the tests: "dict changed since snapshot" numbers (ma_version_tag on 3.11, a dict
 watcher on 3.12+) and frames the evaluator returns for without running them (cleared
 and popped by us on 3.12+)."""

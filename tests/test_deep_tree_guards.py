@@ -249,7 +249,7 @@ def test_owner_checks_come_before_the_dict_is_read(change):
 def _held_entry(n):
     """n owners, each the value of a dict the entry guards directly (its "holder"),
     then the owners' __dict__ guards: the hit path reads these owners without their
-    weakrefs while the holders are unchanged (cache.h, OwnerCheck.held)."""
+    weakrefs while the holders are unchanged (cache_entry.h, OwnerCheck.held)."""
     owners = [Owner() for _ in range(n)]
     for i, o in enumerate(owners):
         o.a = i

@@ -3,7 +3,6 @@ size its guards allow, and eager is the oracle for every construct."""
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import random
@@ -19,21 +18,7 @@ import nnscaler
 import nnscaler_eval
 from nnscaler_eval import _C
 from nnscaler_eval.capture import dynamic
-
-
-def _pair(module: nn.Module, **options):
-    eager = copy.deepcopy(module)
-    return nnscaler.compile(module, **options), eager
-
-
-def _agree(compiled, eager, *args, **kwargs):
-    got, want = compiled(*args, **kwargs), eager(*args, **kwargs)
-    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
-        if isinstance(a, torch.Tensor):
-            assert a.shape == b.shape and torch.equal(a, b), (args, kwargs)
-        else:
-            assert a == b, (a, b)
-    return got
+from oracle import agree, twins
 
 
 LENGTHS = [8, 9, 0, 1, 2, 37, 5, 64, 3, 16, 2, 300, 1, 8, 12]
@@ -70,9 +55,9 @@ class Attention(nn.Module):
 
 
 def test_sequence_lengths_in_any_order_agree_with_eager():
-    compiled, eager = _pair(Attention())
+    compiled, eager = twins(Attention())
     for L in LENGTHS:
-        _agree(compiled, eager, torch.randn(2, L, 16))
+        agree(compiled, eager, torch.randn(2, L, 16))
     info = nnscaler.cache_info(compiled)
     # static 8, then symbolic (L <= 32 and L > 32), and the specialised 0 and 1
     assert info.captures <= 5, info
@@ -80,40 +65,40 @@ def test_sequence_lengths_in_any_order_agree_with_eager():
 
 
 def test_dynamic_false_specialises_every_size():
-    compiled, eager = _pair(Attention(), dynamic=False, cache_size_limit=32)
+    compiled, eager = twins(Attention(), dynamic=False, cache_size_limit=32)
     for L in [4, 5, 6, 7]:
-        _agree(compiled, eager, torch.randn(2, L, 16))
+        agree(compiled, eager, torch.randn(2, L, 16))
     assert nnscaler.cache_info(compiled).captures == 4
 
 
 def test_dynamic_true_is_symbolic_from_the_first_capture():
-    compiled, eager = _pair(Attention(), dynamic=True)
+    compiled, eager = twins(Attention(), dynamic=True)
     for L in [4, 5, 6, 7, 20]:
-        _agree(compiled, eager, torch.randn(3, L, 16))
+        agree(compiled, eager, torch.randn(3, L, 16))
     assert nnscaler.cache_info(compiled).captures == 1
-    _agree(compiled, eager, torch.randn(5, 9, 16))   # the batch is symbolic too
+    agree(compiled, eager, torch.randn(5, 9, 16))   # the batch is symbolic too
     assert nnscaler.cache_info(compiled).captures == 1
 
 
 @pytest.mark.parametrize("marker", ["ours", "torch"])
 def test_mark_dynamic_makes_the_first_capture_symbolic(marker):
-    compiled, eager = _pair(Attention())
+    compiled, eager = twins(Attention())
     for L in [6, 7, 30]:
         x = torch.randn(2, L, 16)
         if marker == "ours":
             nnscaler.mark_dynamic(x, 1)
         else:
             torch._dynamo.mark_dynamic(x, 1)
-        _agree(compiled, eager, x)
+        agree(compiled, eager, x)
     assert nnscaler.cache_info(compiled).captures == 1
 
 
 def test_mark_static_keeps_a_dimension_specialised():
-    compiled, eager = _pair(Attention(), cache_size_limit=32)
+    compiled, eager = twins(Attention(), cache_size_limit=32)
     for L in [6, 7, 8]:
         x = torch.randn(2, L, 16)
         nnscaler.mark_static(x, 1)
-        _agree(compiled, eager, x)
+        agree(compiled, eager, x)
     assert nnscaler.cache_info(compiled).captures == 3
 
 
@@ -146,11 +131,11 @@ class PythonDecisions(nn.Module):
 
 
 def test_python_decisions_on_sizes_agree_with_eager():
-    compiled, eager = _pair(PythonDecisions(), cache_size_limit=64)
+    compiled, eager = twins(PythonDecisions(), cache_size_limit=64)
     rng = random.Random(1)
     lengths = [rng.choice([0, 1, 2, 3, 4, 7, 8, 12, 100, 101]) for _ in range(40)]
     for L in lengths:
-        _agree(compiled, eager, torch.randn(2, L))
+        agree(compiled, eager, torch.randn(2, L))
 
 
 class SqueezeThenUseTheSize(nn.Module):
@@ -164,9 +149,9 @@ class SqueezeThenUseTheSize(nn.Module):
 
 
 def test_size_one_is_decided_not_assumed():
-    compiled, eager = _pair(SqueezeThenUseTheSize(), cache_size_limit=64)
+    compiled, eager = twins(SqueezeThenUseTheSize(), cache_size_limit=64)
     for n, m in [(3, 3), (4, 4), (1, 1), (1, 5), (5, 1), (2, 2), (1, 1), (6, 6)]:
-        _agree(compiled, eager, torch.randn(n, 2), torch.randn(m, 2))
+        agree(compiled, eager, torch.randn(n, 2), torch.randn(m, 2))
 
 
 class ReturnsSizes(nn.Module):
@@ -185,11 +170,11 @@ class ReturnsAnObjectHoldingASize(nn.Module):
 
 
 def test_sizes_and_scalars_returned_are_the_calls_values():
-    compiled, eager = _pair(ReturnsSizes(), dynamic=True)
+    compiled, eager = twins(ReturnsSizes(), dynamic=True)
     for L in (3, 5, 8, 2, 5):
-        _agree(compiled, eager, torch.randn(2, L), L + 4)
+        agree(compiled, eager, torch.randn(2, L), L + 4)
     assert nnscaler.cache_info(compiled).captures <= 2
-    compiled, eager = _pair(ReturnsAnObjectHoldingASize(), dynamic=True)
+    compiled, eager = twins(ReturnsAnObjectHoldingASize(), dynamic=True)
     for n in (3, 5, 8):
         assert compiled(torch.randn(n))[1].n == n
 
@@ -200,14 +185,14 @@ class TwoInputs(nn.Module):
 
 
 def test_equal_dimensions_are_guarded_not_assumed():
-    compiled, eager = _pair(TwoInputs())
+    compiled, eager = twins(TwoInputs())
     for n in [4, 5, 6, 9]:
-        _agree(compiled, eager, torch.randn(n, 3), torch.randn(n, 3))
+        agree(compiled, eager, torch.randn(n, 3), torch.randn(n, 3))
     # broadcasting against 1, and a mismatch that eager rejects
-    _agree(compiled, eager, torch.randn(5, 3), torch.randn(1, 3))
+    agree(compiled, eager, torch.randn(5, 3), torch.randn(1, 3))
     with pytest.raises(RuntimeError):
         compiled(torch.randn(5, 3), torch.randn(6, 3))
-    _agree(compiled, eager, torch.randn(7, 3), torch.randn(7, 3))
+    agree(compiled, eager, torch.randn(7, 3), torch.randn(7, 3))
 
 
 class Conv(nn.Module):
@@ -220,14 +205,14 @@ class Conv(nn.Module):
 
 
 def test_strides_are_part_of_the_check():
-    compiled, eager = _pair(Conv())
+    compiled, eager = twins(Conv())
     for size in [8, 9, 10]:
-        _agree(compiled, eager, torch.randn(2, 3, size, size))
+        agree(compiled, eager, torch.randn(2, 3, size, size))
     for size in [8, 11]:
         cl = torch.randn(2, 3, size, size).to(memory_format=torch.channels_last)
-        _agree(compiled, eager, cl)
-        _agree(compiled, eager, torch.randn(2, 3, size, 2 * size)[..., ::2])  # not dense
-        _agree(compiled, eager, torch.randn(2, size, size, 3).permute(0, 3, 1, 2))
+        agree(compiled, eager, cl)
+        agree(compiled, eager, torch.randn(2, 3, size, 2 * size)[..., ::2])  # not dense
+        agree(compiled, eager, torch.randn(2, size, size, 3).permute(0, 3, 1, 2))
 
 
 class Timestep(nn.Module):
@@ -245,12 +230,12 @@ class Timestep(nn.Module):
 
 
 def test_int_arguments_become_symbolic():
-    compiled, eager = _pair(Timestep())
+    compiled, eager = twins(Timestep())
     steps = [999, 950, 900, 851, 800, 751, 700, 650, 600, 551, 500, 450, 0, 1]
     for t in steps:
-        _agree(compiled, eager, torch.randn(2, 8), t)
+        agree(compiled, eager, torch.randn(2, 8), t)
     assert nnscaler.cache_info(compiled).captures <= 5   # static, even, odd, 0, 1
-    _agree(compiled, eager, torch.randn(2, 8), 7, 0.5)
+    agree(compiled, eager, torch.randn(2, 8), 7, 0.5)
 
 
 def test_bool_arguments_stay_specialised():
@@ -258,9 +243,9 @@ def test_bool_arguments_stay_specialised():
         def forward(self, x, flag: bool):
             return x * 2 if flag else x - 1
 
-    compiled, eager = _pair(M())
+    compiled, eager = twins(M())
     for flag in [True, False, True, False]:
-        _agree(compiled, eager, torch.randn(3), flag)
+        agree(compiled, eager, torch.randn(3), flag)
 
 
 def test_data_dependent_forward_stays_static_and_correct():
@@ -270,9 +255,9 @@ def test_data_dependent_forward_stays_static_and_correct():
                 return x * x.sum().item()
             return x + 1
 
-    compiled, eager = _pair(M(), cache_size_limit=32)
+    compiled, eager = twins(M(), cache_size_limit=32)
     for n in [2, 3, 5, 6, 7, 3]:
-        _agree(compiled, eager, torch.randn(n))
+        agree(compiled, eager, torch.randn(n))
 
 
 def test_modules_with_hooks_are_not_run_on_fakes():
@@ -287,9 +272,9 @@ def test_modules_with_hooks_are_not_run_on_fakes():
         def forward(self, x):
             return self.inner(x).relu()
 
-    compiled, eager = _pair(M(), cache_size_limit=32)
+    compiled, eager = twins(M(), cache_size_limit=32)
     for n in [2, 3, 4, 5]:
-        _agree(compiled, eager, torch.randn(n, 4))
+        agree(compiled, eager, torch.randn(n, 4))
     # one call of the hook per call of each model, never with a fake tensor
     assert len(calls) == 8 and all(isinstance(s[0], int) for s in calls)
 
@@ -304,9 +289,9 @@ def test_counters_written_by_forward_count_as_in_eager():
             self.calls = self.calls + 1
             return x * x.shape[0]
 
-    compiled, eager = _pair(M(), cache_size_limit=32)
+    compiled, eager = twins(M(), cache_size_limit=32)
     for n in [2, 3, 4, 5, 6]:
-        _agree(compiled, eager, torch.randn(n))
+        agree(compiled, eager, torch.randn(n))
     assert compiled.calls == eager.calls == 5
 
 
@@ -319,9 +304,9 @@ def test_batchnorm_statistics_update_once():
         def forward(self, x):
             return self.bn(x)
 
-    compiled, eager = _pair(M().train())
+    compiled, eager = twins(M().train())
     for n in [3, 4, 5, 6, 9]:
-        _agree(compiled, eager, torch.randn(n, 4))
+        agree(compiled, eager, torch.randn(n, 4))
     assert torch.equal(compiled.bn.running_mean, eager.bn.running_mean)
     assert compiled.bn.num_batches_tracked == eager.bn.num_batches_tracked == 5
 
@@ -340,7 +325,7 @@ class TinyLM(nn.Module):
 
 def test_training_with_variable_lengths_matches_eager():
     model = TinyLM()
-    compiled, eager = _pair(model)
+    compiled, eager = twins(model)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     rng = random.Random(0)
@@ -362,7 +347,7 @@ def test_training_with_variable_lengths_matches_eager():
 
 
 def test_explain_shows_symbols_and_their_guards():
-    compiled, eager = _pair(Attention(), dynamic=True)
+    compiled, eager = twins(Attention(), dynamic=True)
     text = str(nnscaler.explain(compiled, torch.randn(2, 40, 16)))
     assert "symbolic" in text and "x.size(1)" in text and "x.size(1) > 32" in text
 
@@ -372,9 +357,9 @@ def test_torch_cond_with_a_size_predicate():
         def forward(self, x):
             return torch.cond(x.shape[0] > 4, lambda t: t.cos(), lambda t: t.sin(), (x,))
 
-    compiled, eager = _pair(M(), cache_size_limit=32)
+    compiled, eager = twins(M(), cache_size_limit=32)
     for n in [2, 3, 5, 6, 4, 8]:
-        _agree(compiled, eager, torch.randn(n, 3))
+        agree(compiled, eager, torch.randn(n, 3))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -392,7 +377,7 @@ def test_hugging_face_decoders_over_lengths(arch):
                                           max_position_embeddings=128)
         model = transformers.LlamaForCausalLM(config)
     model.eval()
-    compiled, eager = _pair(model)
+    compiled, eager = twins(model)
     lengths = list(range(1, 65))
     random.Random(0).shuffle(lengths)
     with torch.no_grad():
@@ -508,9 +493,9 @@ class TensorTimestep(nn.Module):
 
 
 def test_an_int_made_tensor_data_stays_symbolic():
-    compiled, eager = _pair(TensorTimestep())
+    compiled, eager = twins(TensorTimestep())
     for t in range(999, 700, -23):   # 14 timesteps
-        _agree(compiled, eager, torch.randn(2, 4), t)
+        agree(compiled, eager, torch.randn(2, 4), t)
     assert nnscaler.cache_info(compiled).captures == 2
 
 
@@ -527,16 +512,16 @@ class FloatDecision(nn.Module):
 
 
 def test_float_arguments_used_in_arithmetic_become_inputs():
-    compiled, eager = _pair(FloatScale())
+    compiled, eager = twins(FloatScale())
     for sigma in [0.9, 0.8, 0.7, 0.3, 2.5, -1.5, 1e-3]:
-        _agree(compiled, eager, torch.randn(3), sigma)
+        agree(compiled, eager, torch.randn(3), sigma)
     assert nnscaler.cache_info(compiled).captures == 2
 
 
 def test_float_arguments_python_decides_on_stay_specialised():
-    compiled, eager = _pair(FloatDecision(), cache_size_limit=32)
+    compiled, eager = twins(FloatDecision(), cache_size_limit=32)
     for sigma in [0.9, 0.8, 0.3, 0.2, 0.9, 0.3]:
-        _agree(compiled, eager, torch.randn(3), sigma)
+        agree(compiled, eager, torch.randn(3), sigma)
     assert nnscaler.cache_info(compiled).captures == 4
 
 
@@ -548,10 +533,10 @@ def test_the_log_says_which_size_was_specialised_and_where(caplog):
             n = int(x.shape[1])          # the value itself: specialised here
             return x * n
 
-    compiled, eager = _pair(M())
+    compiled, eager = twins(M())
     with caplog.at_level(logging.INFO, logger="nnscaler.recaptures"):
         for L in [3, 4, 5, 6]:
-            _agree(compiled, eager, torch.randn(2, L))
+            agree(compiled, eager, torch.randn(2, L))
     text = caplog.text
     assert "capturing with x.size(1) symbolic" in text
     assert "specialised: x.size(1) == 4" in text and "test_dynamic_shapes.py:" in text
@@ -561,7 +546,7 @@ def test_the_log_says_which_size_was_specialised_and_where(caplog):
 def test_an_aot_backend_compiles_the_symbolic_graph_once():
     """torch.compile backends get the symbolic capture with fake inputs of its
     ShapeEnv (aot_eager here; Inductor the same way, slower to compile)."""
-    compiled, eager = _pair(Attention(), backend="aot_eager")
+    compiled, eager = twins(Attention(), backend="aot_eager")
     for L in [6, 7, 9, 12, 20, 3]:
         x = torch.randn(2, L, 16)
         torch.testing.assert_close(compiled(x), eager(x))
@@ -593,11 +578,11 @@ def _concrete_only(compiled_sizes, fail_on=()):
 
 def test_a_backend_refusing_symbolic_inputs_compiles_per_size_without_recapture():
     compiled_sizes: list = []
-    compiled, eager = _pair(ViewBySize(), backend=_concrete_only(compiled_sizes, fail_on=(9,)))
+    compiled, eager = twins(ViewBySize(), backend=_concrete_only(compiled_sizes, fail_on=(9,)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n, k in [(3, 2), (5, 3), (7, 3), (5, 3), (7, 4), (9, 4), (9, 4), (2, 5)]:
-            _agree(compiled, eager, torch.randn(n, 4), k)
+            agree(compiled, eager, torch.randn(n, 4), k)
     assert nnscaler.cache_info(compiled).captures == 2     # one static, one symbolic
     shapes = [s[0] for s in compiled_sizes]
     assert shapes.count((5, 4)) == 1 and shapes.count((7, 4)) == 2   # per size and int
@@ -623,7 +608,7 @@ def test_a_backend_refusing_symbolic_inputs_compiles_per_size_without_recapture(
 def test_inductor_compiles_the_symbolic_graph_once():
     """One Inductor compile of the dynamic entry serves every later length, and the
     guards Inductor adds while compiling are checked on every hit."""
-    compiled, eager = _pair(Attention(), backend="inductor")
+    compiled, eager = twins(Attention(), backend="inductor")
     with torch.no_grad():
         for L in [6, 7, 9, 12, 20, 3, 31]:
             x = torch.randn(2, L, 16)
@@ -674,9 +659,9 @@ class CachesByLength(nn.Module):
 
 
 def test_a_failed_symbolic_capture_leaves_no_fake_in_module_state():
-    compiled, eager = _pair(CachesByLength(), cache_size_limit=32)
+    compiled, eager = twins(CachesByLength(), cache_size_limit=32)
     for n in [2, 3, 6, 7, 6, 3]:
-        _agree(compiled, eager, torch.randn(n))
+        agree(compiled, eager, torch.randn(n))
     assert compiled.seen == eager.seen
     assert compiled.cache.keys() == eager.cache.keys()
     for value in compiled.cache.values():
@@ -791,9 +776,9 @@ class _Noisy(torch.Tensor):
 
 
 def test_a_subclass_resetting_caches_mid_capture_keeps_answers_right():
-    compiled, eager = _pair(Attention())
+    compiled, eager = twins(Attention())
     for L in [6, 7, 9]:
-        _agree(compiled, eager, torch.randn(2, L, 16))
+        agree(compiled, eager, torch.randn(2, L, 16))
     _Noisy.victim = compiled
     try:
         for L in [10, 11]:
@@ -802,4 +787,4 @@ def test_a_subclass_resetting_caches_mid_capture_keeps_answers_right():
             torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
     finally:
         _Noisy.victim = None
-    _agree(compiled, eager, torch.randn(2, 12, 16))
+    agree(compiled, eager, torch.randn(2, 12, 16))

@@ -134,7 +134,7 @@ def test_generators_and_coroutines_are_never_intercepted():
 def test_exceptions_propagate_with_user_line():
     class Bad(torch.nn.Module):
         def forward(self, x):
-            y = x.missing if self.training else x  # noqa: the line the traceback names
+            y = x.missing if self.training else x  # the line the traceback names
             return y
 
     m = Bad().train()

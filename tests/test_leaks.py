@@ -6,7 +6,6 @@ import gc
 import sys
 import weakref
 
-import pytest
 import torch
 
 import nnscaler

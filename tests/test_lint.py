@@ -1,6 +1,6 @@
-"""Source checks: version tests only in the compat files; C headers state ownership;
-the C files include each other one way; nnscaler_eval does not import the public
-`nnscaler` package built on it."""
+"""Source checks: version tests only in the version layer (compat/); C headers state
+ownership; the C files include each other one way; nnscaler_eval does not import the
+public `nnscaler` package built on it."""
 from __future__ import annotations
 
 import ast
@@ -9,20 +9,38 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-C_FILES = sorted(p for d in ("csrc", "guards") for pattern in ("*.[ch]", "*.cpp")
+# compat/: the version layer, below both the shim (csrc/) and the guards (guards/).
+C_DIRS = ("compat", "csrc", "guards")
+C_FILES = sorted(p for d in C_DIRS for pattern in ("*.[ch]", "*.cpp")
                  for p in (ROOT / d).glob(pattern))
+COMPAT = ROOT / "compat"
 
 
-def test_py_version_hex_only_in_compat_files():
+def in_compat(path: pathlib.Path) -> bool:
+    return path.parent == COMPAT
+
+
+def test_py_version_hex_only_in_the_version_header():
+    """CPython versions are told apart in one place, compat/compat_versions.h; the
+    rest of the layer tests the names it defines."""
     offenders = [p.name for p in C_FILES
-                 if "PY_VERSION_HEX" in p.read_text() and "compat" not in p.name]
+                 if "PY_VERSION_HEX" in p.read_text() and p != COMPAT / "compat_versions.h"]
+    assert offenders == []
+
+
+def test_version_names_tested_only_in_the_version_layer():
+    """The shim and the guards reach version differences through the layer's names
+    (nns_*, NNS_DICT_TAGS_MONOTONIC), never by testing the version themselves."""
+    pattern = re.compile(r"#\s*(?:if|ifdef|ifndef|elif)\b[^\n]*\bNNS_PY(?:3\d+|_MINOR)\b")
+    offenders = sorted(p.name for p in C_FILES
+                       if not in_compat(p) and pattern.search(p.read_text()))
     assert offenders == []
 
 
 def test_internal_cpython_headers_only_in_per_version_files():
     offenders = [p.name for p in C_FILES
                  if re.search(r"#\s*include\s*<internal/", p.read_text())
-                 and not re.match(r"compat_py3\d+\.c$", p.name)]
+                 and not (in_compat(p) and re.match(r"compat_py3\d+\.c$", p.name))]
     assert offenders == []
 
 
@@ -35,10 +53,10 @@ def _code_only(text: str) -> str:
 
 def test_private_cpython_api_only_behind_the_compat_layer():
     """CPython's private names (`_Py...`) and thread-state fields change between
-    minor versions: only compat.h and compat_*.c may touch them."""
+    minor versions: only the version layer (compat/) may touch them."""
     private = re.compile(r"\b_Py[A-Za-z]\w*|\b(?:ts|tstate)->\w+")
     offenders = {p.name: sorted(set(private.findall(_code_only(p.read_text()))))
-                 for p in C_FILES if not p.name.startswith("compat")}
+                 for p in C_FILES if not in_compat(p)}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -48,23 +66,53 @@ def test_the_private_api_check_sees_what_it_looks_for():
     assert found == ["_PyType_Lookup", "ts->id"]
 
 
+def _folder_of_header(name: str) -> str:
+    """The folder of ours holding header `name` ("" for one of CPython's)."""
+    return next((d for d in C_DIRS if (ROOT / d / name).exists()), "")
+
+
+def _includes_by_folder(folder: str) -> dict[str, set[str]]:
+    """{file in `folder`: {"folder/header" for each header of ours it includes}}."""
+    return {p.name: {f"{_folder_of_header(h)}/{h}" for h in _project_includes(p)
+                     if _folder_of_header(h)}
+            for p in C_FILES if p.parent.name == folder}
+
+
 def test_guards_depend_only_on_their_own_headers_and_the_version_layer():
     """Data flows one way (shim -> guards -> cache): guards/ includes its own
     headers, guard_env.h's objects and the object-level version layer
-    (compat_objects.h), never the shim's headers, not even compat.h's frame and
-    bytecode internals."""
-    own = {p.name for p in (ROOT / "guards").glob("*.h")}
-    allowed = own | {"compat_objects.h", "structmember.h"}
-    offenders = {p.name: bad for p in C_FILES if p.parent.name == "guards"
-                 for bad in [sorted(set(re.findall(r'#\s*include\s*"([^"]+)"', p.read_text()))
-                                    - allowed)] if bad}
+    (compat/compat_objects.h), never the shim's headers (csrc/), not even
+    compat.h's frame and bytecode internals."""
+    allowed_compat = {"compat/compat_objects.h"}
+    offenders = {name: bad for name, headers in _includes_by_folder("guards").items()
+                 for bad in [sorted(h for h in headers if not h.startswith("guards/")
+                                    and h not in allowed_compat)] if bad}
     assert offenders == {}
 
 
-# Headers with no source file of their own name: the version layer (compat.h and
-# its object-level half compat_objects.h; their functions are in compat_*.c).  Every file may use it; it is not a node of the graph
-# below.  A new header without a same-named source must be added here.
-LAYER_HEADERS = {"compat.h", "compat_objects.h"}
+def test_the_version_layer_depends_on_nothing_above_it():
+    """compat/ is below both csrc/ and guards/: its files include only each other."""
+    offenders = {name: bad for name, headers in _includes_by_folder("compat").items()
+                 for bad in [sorted(h for h in headers if not h.startswith("compat/"))] if bad}
+    assert offenders == {}
+
+
+# Headers with no source file of their own name: the version layer's (compat/compat.h
+# and its object-level half compat_objects.h, whose functions are in compat/*.c, and
+# compat_versions.h), and call_key_format.h, definitions only (the bytes of a key,
+# shared by its encoder and its reader).  Every file may use them; they are not nodes
+# of the graph below.  A new header without a same-named source must be added here.
+LAYER_HEADERS = {"compat.h", "compat_objects.h", "compat_versions.h", "call_key_format.h"}
+
+
+def test_the_design_lists_every_c_file():
+    """docs/design.md's table of files names every C source and every header
+    without one, by its path."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [f"{p.parent.name}/{p.name}" for p in C_FILES
+               if (p.suffix in (".c", ".cpp") or p.name in LAYER_HEADERS)
+               and f"`{p.parent.name}/{p.name}`" not in design]
+    assert missing == []
 
 
 def _project_includes(path: pathlib.Path) -> set[str]:
@@ -145,6 +193,49 @@ def test_the_include_graph_check_finds_cycles():
     assert find_cycle(include_graph(files)) == []
 
 
+# What a header says of a returned object: whose reference the caller gets.
+OWNERSHIP_WORDS = re.compile(r"\b(new reference|borrowed|steals?|stolen|ownership)\b", re.I)
+RETURNS_OBJECT = re.compile(r"(?m)^(?:static inline )?(?:const )?"
+                            r"(?:PyObject|\w+Object|CacheEntry|CacheBucket|CacheTable)"
+                            r"\s*\*+\s*\n?(\w+)\(")
+
+
+def unstated_ownership(text: str) -> list[str]:
+    """Functions a header declares returning an object pointer whose comment does not
+    say whose reference it is.  A declaration's comment is the comments of its
+    paragraph (declarations sharing one comment sit together); an "Ownership:" rule
+    in the header's opening comment covers all of them."""
+    body = text[text.find("#ifndef"):]
+    if re.search(r"(?i)\bownership:", text[:len(text) - len(body)]):
+        return []
+    found = []
+    for paragraph in re.split(r"\n\s*\n", body):
+        names = RETURNS_OBJECT.findall(paragraph)
+        comments = " ".join(re.findall(r"/\*.*?\*/", paragraph, re.S))
+        if names and not OWNERSHIP_WORDS.search(re.sub(r"\s*\n\s*\*?\s*", " ", comments)):
+            found += names
+    return found
+
+
+def test_headers_state_the_ownership_of_what_they_return():
+    """Every function a header declares that returns an object says whether the
+    caller gets a new or a borrowed reference: each C function's contract on
+    references is written in its header."""
+    offenders = {p.name: names for p in C_FILES if p.suffix == ".h"
+                 for names in [unstated_ownership(p.read_text())] if names}
+    assert offenders == {}
+
+
+def test_the_ownership_check_sees_what_it_looks_for():
+    text = ("/* x.h */\n#ifndef X\n\n/* A list of the items.  New\n * reference. */\n"
+            "PyObject *items(void);\n\n/* The first item. */\nPyObject *\nfirst(void);\n\n"
+            "/* Two at once: borrowed. */\nCacheEntry *a(void);\nCacheEntry *b(void);\n"
+            "int count(void);\n#endif\n")
+    assert unstated_ownership(text) == ["first"]
+    assert unstated_ownership("/* x.h\n * Ownership: borrowed. */\n#ifndef X\n"
+                              "PyObject *first(void);\n#endif\n") == []
+
+
 def test_every_c_file_starts_with_a_comment_saying_what_it_is():
     for p in C_FILES:
         assert p.read_text().lstrip().startswith("/*"), p.name
@@ -159,13 +250,13 @@ def test_no_unfinished_markers():
 
 
 def test_one_version_file_per_minor_each_naming_its_audited_release():
-    compat_h = (ROOT / "csrc" / "compat_objects.h").read_text()   # the version tests
+    compat_h = (COMPAT / "compat_versions.h").read_text()   # the version tests
     minors = sorted(int(m) for m in re.findall(r"#\s*define NNS_PY3(\d+) 1", compat_h))
     assert minors == [11, 12, 13, 14]
     for minor in minors:
-        text = (ROOT / "csrc" / f"compat_py3{minor}.c").read_text()
+        text = (COMPAT / f"compat_py3{minor}.c").read_text()
         head = text[:text.index("*/")]
-        # "Audited against CPython v3.13.15" / "Written from CPython v3.12.7's sources"
+        # "Audited against CPython v3.13.15"
         assert re.search(rf"CPython v3\.{minor}\.\d+", head), f"compat_py3{minor}.c"
         assert f"#ifdef NNS_PY3{minor}" in text
     # anything past the audited versions stops the build
@@ -311,13 +402,14 @@ def test_each_source_defines_only_what_its_own_header_declares():
     """Definition-level layering, which includes alone cannot see: a file that
     defines what another file's header declares (module.c defining nns_globals)
     makes every user of that header depend on it, a cycle through the root.  So a
-    source's external names are declared in its own header (compat_*.c: compat.h and compat_objects.h)."""
+    source's external names are declared in its own header (the version layer's
+    sources, compat/*.c: compat.h and compat_objects.h)."""
     offenders = {}
     for path in C_FILES:
         if path.suffix not in (".c", ".cpp"):
             continue
-        headers = ([ROOT / "csrc" / "compat.h", ROOT / "csrc" / "compat_objects.h"]
-                   if path.name.startswith("compat_") else [path.with_suffix(".h")])
+        headers = ([COMPAT / "compat.h", COMPAT / "compat_objects.h"]
+                   if in_compat(path) else [path.with_suffix(".h")])
         declared = "".join(h.read_text() for h in headers if h.exists())
         missing = [n for n in external_definitions(path.read_text())
                    if not re.search(rf"\b{n}\b", declared)]

@@ -10,7 +10,6 @@ projects, so that nothing but the wheels under test provides `nnscaler`.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys

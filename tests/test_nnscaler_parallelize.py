@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 THIS_FILE = __file__
 
 
-from nnscaler_peer import cpu_rank, peer_test_utils, require_nnscaler  # noqa: E402
+from nnscaler_peer import cpu_rank, require_nnscaler  # noqa: E402
 
 require_nnscaler()
 

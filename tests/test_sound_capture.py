@@ -17,29 +17,25 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import nnscaler
 from nnscaler_eval.tools.explain import _buckets
 from nnscaler_eval.capture import GraphBreakError
 from models import meddling_training
+from oracle import assert_same, same
 
 SCALE = 2.0
 GLOBAL_TENSOR = torch.ones(4)
 
 
 def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.allclose(a, b, atol=1e-6)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
+    return same(a, b, atol=1e-6)
 
 
 def check(compiled, eager_fn, *args):
     got = compiled(*args)
     want = eager_fn(*args)
-    assert _same(got, want), (got, want)
+    assert_same(got, want, atol=1e-6)
     return got
 
 
@@ -673,7 +669,7 @@ FLAG_CHANGES = ["class with a property", "class without one", "value moved to th
 def test_a_flag_is_read_again_when_its_source_changes(change, kind):
     """Training flags (a graph input, or a branch's guard) are read once and then
     remembered while the module's class, __dict__ and that dict's version (3.11) or
-    the dict clock (3.12+) stand (cache.h, FlagRead): every way the flag can change
+    the dict clock (3.12+) stand (cache_entry.h, FlagRead): every way the flag can change
     after hits must give eager's answer, whether the class, the instance dict, or
     where `training` comes from changed."""
     Mode = type("Mode", (kind,), {})
@@ -862,7 +858,7 @@ class _Sibling(nn.Module):
 def test_a_flag_read_that_replaces_a_sibling_module_mid_hit(kind):
     # Python in the middle of a flag's read (the flag is an object whose __bool__ runs
     # Python: a flag guard's read, or the runner's) replaces another module the entry
-    # checks (a held owner, cache.h: read through a borrowed pointer while the dicts
+    # checks (a held owner, cache_entry.h: read through a borrowed pointer while the dicts
     # are unchanged) and collects the old one.  On 3.12+ the dict clock moved during
     # the check: nothing may be vouched for by the clock read before it, and the old
     # sibling must not be read through its pointer (under ASan: a use after free).

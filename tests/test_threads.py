@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 import nnscaler
 from nnscaler_eval import _C
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.tracing.tracked_values import TrainingFlag
 
 CHILD_FLAG = "--threads-child"
 THREADS = 8

@@ -1181,6 +1181,31 @@ def test_compiled_graph_path_and_example_inputs():
     assert seen == [len(placeholders)]
 
 
+def test_a_no_grad_block_is_recorded_as_torchs_own_set_grad_enabled():
+    """torch 2.13's _set_grad_enabled hands itself to function modes by its name in
+    torch._C, which is our replacement while a trace runs: recorded, each change was a
+    second node calling a function of ours (in exports too, and no compiler cache keys
+    a function of ours)."""
+    class NoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                y = self.fc(x)
+            return y * x
+
+    model = NoGrad()
+    x = torch.randn(2, 8)
+    cap = trace(model, x)
+    targets = [n.target for n in cap.graph_module.graph.nodes if n.op == "call_function"
+               and "grad_enabled" in getattr(n.target, "__name__", "")]
+    assert targets == [torch._C._set_grad_enabled] * 2
+    assert_close(replay(cap, model, x), model(x))
+    assert torch.is_grad_enabled()
+
+
 def test_backend_graph_folds_training_for_aot_backends():
     from torch._dynamo.backends.registry import lookup_backend
 

@@ -19,7 +19,7 @@ import inspect
 import operator
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -106,7 +106,12 @@ DATA_ACCESS = {
 }
 # Calls executed but not recorded: the tracer records their effect (grad mode) by
 # comparing state before each op, which also sees changes made without a torch call.
-STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED})
+# torch 2.13's `_set_grad_enabled` hands itself to torch function modes by its name in
+# torch._C, which names our replacement while a trace runs: that one is the same call
+# (recorded, it was a second node calling a function of ours, which no compiler cache
+# can key).
+STATE_CHANGES = frozenset({trace_patches.REAL_SET_GRAD_ENABLED,
+                           trace_patches.PATCHED_SET_GRAD_ENABLED})
 
 # Tensor dunders -> (operator function, reflected?)
 OPERATORS: dict[str, tuple[Callable[..., Any], bool]] = {}
@@ -195,9 +200,7 @@ def classify(func: Callable[..., Any]) -> tuple[str, Any]:
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__") and type(func).__name__ == "method-wrapper":
         descriptor = getattr(func, "__self__", None)
-        attr = getattr(descriptor, "__name__", None) or getattr(
-            getattr(descriptor, "fget", None), "__name__", None
-        )
+        attr = getattr(descriptor, "__name__", None) or _property_name(descriptor)
         if attr is not None:
             return ("getattr" if name == "__get__" else "setattr"), attr
     try:
@@ -209,6 +212,16 @@ def classify(func: Callable[..., Any]) -> tuple[str, Any]:
             return "operator", attribute
         return "method", attribute
     return "function", func
+
+
+def _property_name(descriptor: Any) -> Optional[str]:
+    """The name a Python property has on torch.Tensor (`data`, which state_guards puts
+    in front of torch's own), not its getter's (`_get_data`)."""
+    for cls in torch.Tensor.__mro__:
+        for attr, value in vars(cls).items():
+            if value is descriptor:
+                return attr
+    return getattr(getattr(descriptor, "fget", None), "__name__", None)
 
 
 def qualname(func: Callable[..., Any]) -> str:
@@ -287,6 +300,32 @@ def undispatched_result(func: Any, args: tuple, kwargs: dict) -> Any:
         return original(*positional, **keywords)
 
 
+def replaced_api(func: Any) -> Optional[tuple[str, Any]]:
+    """Which torch API a user's wrapper replaced (a test helper's patch of
+    `torch.Tensor.to`, `F.dropout = wrapper`): ("method", name) for a Tensor method,
+    ("function", the original) for a function of torch's namespaces, or None.  Only
+    where torch's own dispatch named the wrapper: a graph that calls the API by that
+    name calls whatever is bound to it when it runs, as eager's code does."""
+    for attr, value in vars(torch.Tensor).items():
+        if value is func:
+            return "method", attr
+    for attr, value in vars(torch).items():
+        original = getattr(torch._C._VariableFunctions, attr, None)
+        if value is func and original is not None:
+            return "function", original
+    name = getattr(func, "__name__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "handle_torch_function":
+        frame = frame.f_back
+    caller = frame.f_back if frame is not None else None
+    if caller is not None and caller.f_code.co_name == name and \
+            getattr(sys.modules.get(caller.f_globals.get("__name__", "")), name, None) is func:
+        # the original Python function (its code, in its module), as `undispatched_result`
+        # runs it
+        return "function", types.FunctionType(caller.f_code, caller.f_globals, name)
+    return None
+
+
 def takes_eval_fast_path(module: Any) -> bool:
     """`module` is a torch layer that eager runs through its fused eval path when it
     can (the plain bool `training`, read outside any trace)."""
@@ -306,6 +345,23 @@ def _opaque_but_for_hooks(module: nn.Module) -> bool:
 def runs_opaque(module: nn.Module) -> bool:
     """Is a call of `module` one opaque node, run for real, rather than inlined?"""
     return _has_call_hooks(module) or _opaque_but_for_hooks(module)
+
+
+def forward_hooks_only(module: nn.Module) -> bool:
+    """Is `module` opaque for forward hooks alone (no pre-hooks, no backward or global
+    hooks, none that must run when the forward raises, nothing else of runs_opaque's)?"""
+    return bool(
+        module._forward_hooks
+        and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
+        and not module._forward_hooks_always_called
+        and not module_globals._global_forward_hooks
+        and not module_globals._global_forward_pre_hooks
+        and not module_globals._global_backward_hooks
+        and not module_globals._global_backward_pre_hooks
+        and not _opaque_but_for_hooks(module)
+    )
 
 
 def opaque_for_hooks_only(module: nn.Module) -> bool:

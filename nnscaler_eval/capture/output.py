@@ -22,6 +22,7 @@ from nnscaler_eval.capture.results import Capture, Fallback
 from nnscaler_eval.guarding.keyed_objects import kv_cache_class
 from nnscaler_eval.capture.training import TrackedModules
 from nnscaler_eval.capture.passed_objects import ObjectSnapshot
+from nnscaler_eval.capture.python_values import TRACKED_SEQUENCES
 from nnscaler_eval.runners.codegen import (
     ConstantOutput, GraphOutput, InputPath, OutputLayout, RebuiltOutput, RunnerSpec, SlotOutput,
 )
@@ -129,8 +130,10 @@ def output_layout(
     layout: list[Any] = []
     graph_outputs: list[Any] = []
     for leaf in leaves:
-        if isinstance(leaf, (torch.Tensor, TrainingFlag, _TrackedNumber, *_SYMBOLIC)):
-            # a symbolic size or scalar (a dynamic capture) is computed by the graph
+        if isinstance(leaf, (torch.Tensor, TrainingFlag, _TrackedNumber, *TRACKED_SEQUENCES,
+                             *_SYMBOLIC)):
+            # a symbolic size or scalar (a dynamic capture), a shape or number from the
+            # inputs (python_values), is computed by the graph
             value = graph_arg(leaf)
             if isinstance(value, fx.Node):
                 layout.append(GraphOutput(len(graph_outputs)))

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -29,6 +30,9 @@ class Fallback:
     reason: str
     filename: str
     lineno: int
+    # A later capture of the same call can do better (hook_nodes: forward hooks now
+    # followed): not cached, so the next call captures again.
+    retry: bool = False
 
     def __str__(self) -> str:
         return f"{self.reason} at {self.filename}:{self.lineno}"
@@ -177,9 +181,13 @@ class Capture:
                     env[node] = graph.node_copy(node, env.__getitem__)
                 else:
                     env[node] = true_value if cond else false_value
-            elif (node.op == "call_module"
-                  and type(spec.attr_values[str(node.target)]).__call__ is not nn.Module.__call__):
-                # the node is nn.Module.__call__; fx would call the class's own
+            elif node.op == "call_module":
+                # The node is nn.Module.__call__ (fx would call a class's own).  And a
+                # call of the module through a function of ours, not a call_module node:
+                # AOTAutograd's cache takes call_module nodes for torch's own layers,
+                # which Dynamo puts there, and keys them by the module's class and
+                # attributes; an opaque module of ours runs user code (hooks, its
+                # forward) that no key sees, so the cache must refuse the graph.
                 module = graph.get_attr(str(node.target))
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 env[node] = graph.call_function(module_calls.module_call, (module, *args), kwargs)

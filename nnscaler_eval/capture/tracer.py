@@ -10,6 +10,7 @@ output and the Capture (output).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -25,12 +26,12 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import direct_calls
+from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.capture import calls, output, passed_objects, signals
+from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals
 from nnscaler_eval.capture.branches import BranchState
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
-from nnscaler_eval.capture.python_values import DATA_VALUES, PythonValues, TrackedSize
+from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.tracing.compile_awareness import eager_answers
@@ -191,6 +192,9 @@ class Tracer(TorchFunctionMode):
         # Numbers, shapes and dicts from the inputs as graph values (export for
         # nnScaler; capture() sets it).
         self.python_values: Optional[PythonValues] = None
+        # A submodule run opaque while its node is made, as (path, class): the last
+        # entry of that node's `nn_module_stack` (python_values only).
+        self.module_stack: list[tuple[str, type]] = []
 
     # -- state -----------------------------------------------------------------
 
@@ -300,6 +304,8 @@ class Tracer(TorchFunctionMode):
         final: bool = False
     ) -> None:
         """Undo what run() did to the process; each step idempotent."""
+        if self.python_values is not None:
+            self.python_values.restore()
         self.modules.restore_training()
         if self._code_mode is not None:
             _C.capture_code_mode(self._code_mode)
@@ -345,9 +351,14 @@ class Tracer(TorchFunctionMode):
                                      location=self._forward_location())
                     return
         if self.python_values is not None:
+            # Not `**kwargs`: nnScaler keeps it as it is and leaves what a forward reads
+            # from it undefined (its code generator cannot read from it): its values
+            # are this run's, as nnScaler's own trace takes them.
+            kwargs_slot = (len(self.slots) - 1 if self.fn is not None and
+                           self.fn.__code__.co_flags & inspect.CO_VARKEYWORDS else -1)
             self.slots = tuple(
                 self.python_values.inputs(slot, name, index, self._input_placeholder)
-                if index > 0 or self.root is None else slot
+                if (index > 0 or self.root is None) and index != kwargs_slot else slot
                 for index, (slot, name) in enumerate(zip(self.slots, self.slot_names)))
         if self.symbolic is not None:
             # Symbolic int and float arguments are graph inputs (after the tensors).
@@ -427,6 +438,12 @@ class Tracer(TorchFunctionMode):
                 "runs a module with hooks",
                 location=self._forward_location(),
             )
+            if self.fallback is not None and any(
+                    before is MISSING_VALUE for _, _, before, _ in self.modules.writes.values()):
+                # An attribute set for the first time is lazy set-up (transformers marks
+                # a model whose output-capturing hooks it has just installed): done
+                # once, so a fallback kept for it would hold every later call eager.
+                self.fallback.retry = True
 
     # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
 
@@ -436,14 +453,53 @@ class Tracer(TorchFunctionMode):
         if signals.pending():
             signals.deliver()
         self._visit(module)
+        if calls.runs_opaque(module) and self.symbolic is None and self.branch is None \
+                and self.python_values is None and hook_nodes.followed(module):
+            return self._call_with_hook_nodes(module, args, kwargs)
         if calls.runs_opaque(module):
             if self.branch is not None:  # it would run for real, on fake tensors
                 self.graph_break(
                     f"a submodule with hooks ({type(module).__name__}) cannot be called in "
                     "a torch.cond branch"
                 )
-            return self._call_opaque_module(module, args, kwargs)
+            with self._in_module(module):
+                return self._call_opaque_module(module, args, kwargs)
         return trace_patches.original_module_call(module, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _in_module(self, module: nn.Module) -> Iterator[None]:
+        """The node made meanwhile is `module`'s own (nnScaler's `nn_module_stack`)."""
+        path = (self.nodes.module_paths.get(id(module)) if self.python_values is not None
+                else None)
+        if not path:
+            yield
+            return
+        self.module_stack.append((path, type(module)))
+        try:
+            yield
+        finally:
+            self.module_stack.pop()
+
+    def _module_scope(self) -> collections.OrderedDict:
+        """The submodules whose `forward` is running, outermost first, path -> class,
+        as nnScaler's tracer gives each node (`nn_module_stack`): read off the Python
+        stack, so that `self.encoder.forward(x)`, which nnScaler's tracer wraps too,
+        counts like `self.encoder(x)`."""
+        paths = self.nodes.module_paths
+        found: list[tuple[str, type]] = []
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "forward" and code.co_argcount:
+                module = frame.f_locals.get(code.co_varnames[0])
+                path = paths.get(id(module)) if isinstance(module, nn.Module) else None
+                if path:
+                    found.append((path, type(module)))
+            frame = frame.f_back
+        scope = collections.OrderedDict(reversed(found))
+        for path, cls in self.module_stack:
+            scope.setdefault(path, cls)
+        return scope
 
     def on_module_created(self, module: nn.Module) -> None:
         self.modules.created.add(id(module))
@@ -582,6 +638,10 @@ class Tracer(TorchFunctionMode):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
                 node.meta["nnscaler_opaque"] = True
                 self.nodes.bind_result(result, node, dynamic)
+                if self.python_values is not None and type(result) in (tuple, list) \
+                        and any(is_number(item) for item in result):
+                    # `y, _, n = op(x)`: the number is the op's output, not a constant
+                    return self.python_values.sequence(result, node)
                 return result
             if is_number(result):
                 node = self.create_node("call_function", fn, node_args, node_kwargs)
@@ -589,6 +649,12 @@ class Tracer(TorchFunctionMode):
                 number = tracked(result, node, deps, self)
                 number.data_dependent = inputs_have_tensors  # type: ignore[attr-defined]
                 return number
+            if self.python_values is not None and type(result) in (tuple, list):
+                # nnScaler keeps what its op returned as the op's value (its annotation
+                # says how many outputs the op has): one node, items read by getitem
+                node = self.create_node("call_function", fn, node_args, node_kwargs)
+                node.meta["nnscaler_opaque"] = True
+                return self.python_values.sequence(result, node)
         except RecordingAborted:
             return result
         if inputs_have_tensors:
@@ -600,6 +666,55 @@ class Tracer(TorchFunctionMode):
             for module in deps:
                 self.modules.note_branch(module, self.modules.flag_value(module))
         return result
+
+    def escaped_from_opaque(self) -> str:
+        """A tensor the trace never saw made reached it: if modules ran opaque for their
+        forward hooks, one of those may have handed it out (hook_nodes); follow their
+        hooks from the next capture on.  Words for the reason given."""
+        names = hook_nodes.escaped(self.modules.opaque)
+        if not names:
+            return ""
+        return (f" (made inside {', '.join(sorted(set(names)))}, run opaque for its "
+                "forward hooks: from the next capture its forward is traced and its "
+                "hooks run as graph nodes)")
+
+    def _call_with_hook_nodes(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`module(*args, **kwargs)` with its forward traced inline and each forward
+        hook one node, run for real on every call (capture/hook_nodes.py)."""
+        result = trace_patches.original_forward_call(module, *args, **kwargs)
+        if not self.recording:
+            return result
+        try:
+            module_node = self.graph_arg(module) if id(module) in self.nodes.module_paths \
+                else None
+            if module_node is None:
+                raise RecordingAborted
+            for hook_id, hook in list(module._forward_hooks.items()):
+                with_kwargs = hook_id in module._forward_hooks_with_kwargs
+                node_args = self.graph_arg((hook, module_node, args, kwargs, result,
+                                            with_kwargs))
+                # run as the node runs it (disarmed: its frames are not the trace's)
+                with self.suspended(tuple(module.modules())), self._witnessed() as witness:
+                    replaced = module_calls.run_forward_hook(
+                        hook, module, quiet_plain(args), quiet_plain(kwargs), result,
+                        with_kwargs)
+                node = self.create_node("call_function", module_calls.run_forward_hook,
+                                        node_args, {})
+                if replaced is result:
+                    # the same values, as fresh aliases standing for the node: what the
+                    # hook returns on a later call replaces them there
+                    replaced = pytree.tree_map_only(torch.Tensor, self._alias, result)
+                self.nodes.bind_result(replaced, node, witness.verdict(replaced))
+                result = replaced
+        except RecordingAborted:
+            pass
+        return result
+
+    def _alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.suspended():
+            return tensor.view_as(tensor)
 
     def _call_opaque_module(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -677,9 +792,20 @@ class Tracer(TorchFunctionMode):
             # The user replaced a torch function (`F.dropout = wrapper`) and torch's own
             # dispatch named the replacement (the original looks itself up by global
             # name): which op it stands for is unknown, and its body runs untraced here.
-            self.graph_break(f"{qualname(func)} replaced a torch function and reached torch "
-                             "function dispatch")
-            return calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
+            # An export for nnScaler (no guards, called where the same patch may hold)
+            # records the API by its name instead, as nnScaler's tracer does.
+            replaced = calls.replaced_api(func) if self.python_values is not None else None
+            result = calls.undispatched_result(func, quiet_plain(args), quiet_plain(kwargs))
+            if replaced is None or not self.recording:
+                self.graph_break(f"{qualname(func)} replaced a torch function and reached "
+                                 "torch function dispatch")
+                return result
+            kind, target = replaced
+            try:
+                return self._record_call(target if kind == "function" else func, kind,
+                                         target, args, kwargs, result, None)
+            except RecordingAborted:
+                return result
         if not self.recording:
             return func(*quiet_plain(args), **quiet_plain(kwargs))
         if self.symbolic is not None and func in symbolic_shapes.SYMBOLIC_MATH:
@@ -870,6 +996,11 @@ class Tracer(TorchFunctionMode):
         self.sync_global_state()
         node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
         record_source(node)
+        if self.python_values is not None:
+            # as nnScaler's tracer sets it: each submodule's path and class, outermost
+            # first (its autodist groups operators by it)
+            node.meta["nn_module_stack"] = self._module_scope()
+            node.meta["nnscaler_constant_folding"] = self.python_values.node_context()
         return node
 
     def _ifexpr_node(self, module: nn.Module, true_value: Any, false_value: Any) -> fx.Node:
@@ -909,10 +1040,13 @@ class Tracer(TorchFunctionMode):
             # One that module state held before the run (an earlier eager call cached
             # it) is state: a constant of the graph, held by reference, and its
             # module's dict (and the container it sits in) is guarded by identity.
+            escaped = self.escaped_from_opaque()
             self.graph_break(
                 "a tensor computed outside torch function dispatch "
-                f"({type(tensor.grad_fn).__name__}) reached the graph"
+                f"({type(tensor.grad_fn).__name__}) reached the graph" + escaped
             )
+            if escaped and self.fallback is not None:
+                self.fallback.retry = True
             raise RecordingAborted
         return self.nodes.constant_tensor(tensor)
 
@@ -941,8 +1075,8 @@ class Tracer(TorchFunctionMode):
             return self._local(value.node, value.plain) if value.tracer is self else value.plain
         if isinstance(value, fx.Node):   # already a node of this graph (python_values)
             return value
-        if isinstance(value, TrackedSize) and value.values.tracer is self:
-            return self._local(value.node, tuple(value))
+        if isinstance(value, TRACKED_SEQUENCES) and value.tracking.tracer is self:
+            return self._local(value.node, value._base(value))
         if isinstance(value, (tuple, list)):
             items = [self.graph_arg(v) for v in value]
             if isinstance(value, list):

@@ -136,6 +136,16 @@ def _is_library_module(module: types.ModuleType) -> bool:
     return filename is None or is_library_file(filename)
 
 
+def _is_stdlib_module(module: types.ModuleType) -> bool:
+    filename = getattr(module, "__file__", None)
+    if filename is None:
+        return getattr(module, "__name__", "") in sys.builtin_module_names
+    return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
+
+
+_STDLIB_DIR = os.path.join(os.path.dirname(functools.__file__), "")
+
+
 def _is_library_class(cls: type) -> bool:
     module = sys.modules.get(getattr(cls, "__module__", None) or "")
     return module is None or _is_library_module(module)
@@ -589,8 +599,13 @@ class _StateWalk:
             # helpers has no file): the names the captured code reads through it;
             # a library module's own values are not walked further (library code is
             # trusted for what it reads of its own state).
+            # A standard-library module is guarded for the names code reads, even where
+            # user code reads names it computes: its other globals are its own running
+            # state (`warnings.filters`, which every `catch_warnings()` block rebinds),
+            # not what a forward is made of.
             self.guard_namespace(value.__dict__, f"module {value.__name__}", depth,
-                                 walk=not _is_library_module(value), attributes="present")
+                                 walk=not _is_library_module(value),
+                                 attributes="" if _is_stdlib_module(value) else "present")
             if value is os:
                 self.guard_environ(depth)
         elif value is os.environ or any(value is f for f in _ENVIRON_READERS):

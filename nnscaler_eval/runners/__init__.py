@@ -1,6 +1,7 @@
 """What runs on a cache hit: the straight-line Python a captured graph becomes
 (`codegen`), the torch entry points it calls directly (`direct_calls`), how an opaque
 submodule node is called (`module_calls`), the `backend=` argument
-resolved to a callable (`backends`), and the release of what torch.fx keeps for every
-GraphModule (`fx_source`).
+resolved to a callable (`backends`), the graph handed to a `torch.compile` backend in
+the form Dynamo hands it, which torch's compiler caches need (`backend_form`), and the
+release of what torch.fx keeps for every GraphModule (`fx_source`).
 """

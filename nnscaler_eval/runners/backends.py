@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from nnscaler_eval.runners import backend_form
+
 
 def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
     """(callable or None for eager, display name); raises a clear error for bad input."""
@@ -41,10 +43,16 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     middle of the first training step that nobody asked for (torch.compile()'s
     Inductor path compiles both up front).  A backend that does not use AOTAutograd
     ignores the setting; one whose backward fails to compile fails here, where the
-    caller falls back to the eager runner, and not in the middle of a backward."""
+    caller falls back to the eager runner, and not in the middle of a backward.
+
+    The graph is handed over as Dynamo hands its graphs (runners/backend_form.py): in
+    a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
+    `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
+    need before they keep anything across processes."""
     from torch._functorch import config as functorch_config
 
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+    with functorch_config.patch(force_non_lazy_backward_lowering=True), \
+            backend_form.as_dynamo_hands_it(gm, example_inputs):
         return backend_fn(gm, example_inputs)
 
 

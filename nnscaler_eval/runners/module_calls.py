@@ -17,7 +17,19 @@ from typing import Any
 
 import torch.nn as nn
 
+from nnscaler_eval import _C
+
 
 def module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`nn.Module.__call__(module, ...)`, whatever the class's own `__call__`."""
     return nn.Module.__call__(module, *args, **kwargs)
+
+
+def run_forward_hook(hook: Any, module: nn.Module, args: tuple, kwargs: dict, result: Any,
+                     with_kwargs: bool) -> Any:
+    """A forward hook's node (capture/hook_nodes.py): the hook called as
+    `nn.Module._call_impl` calls it, with the evaluator out of the way (as an opaque
+    module's hooks run); the result it returns, or the module's when it returns None."""
+    hook_args = (module, args, kwargs, result) if with_kwargs else (module, args, result)
+    replaced = _C.call_disarmed(hook, *hook_args)
+    return result if replaced is None else replaced

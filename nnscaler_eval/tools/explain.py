@@ -7,6 +7,7 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
+from nnscaler_eval.capture import hook_nodes
 from nnscaler_eval import _C
 from nnscaler_eval.compile_api import compiled_config
 from nnscaler_eval.config import CompileConfig
@@ -85,6 +86,7 @@ def reset() -> None:
     for code in list(known_codes):
         _C.clear_cache(code)
     known_codes.clear()
+    hook_nodes.forget()
 
 
 @dataclass

@@ -375,6 +375,8 @@ def _set_grad_enabled(mode: Any) -> None:
 
 
 _set_grad_enabled.__wrapped__ = REAL_SET_GRAD_ENABLED  # type: ignore[attr-defined]
+# What torch._C._set_grad_enabled is while a trace runs (capture/calls.py).
+PATCHED_SET_GRAD_ENABLED: Callable[[Any], None] = _set_grad_enabled
 
 
 # autograd.Function.apply: one opaque node, so the custom backward survives replay
@@ -400,6 +402,7 @@ def function_apply_target(cls: type) -> Callable[..., Any]:
 
         apply.__module__ = cls.__module__
         apply.__qualname__ = f"{cls.__qualname__}.apply"
+        apply.__autograd_function__ = cls  # type: ignore[attr-defined]
         _apply_targets[cls] = target = apply
     return target
 
@@ -558,6 +561,17 @@ def original_module_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _call_with_mode_replaced(tracer, _PASS_THROUGH, _call_at_depth, pending[1],
                                         _MODULE_CALL.saved, module, *args, **kwargs)
     return _call_at_depth(pending[1], _MODULE_CALL.saved, module, *args, **kwargs)
+
+
+def original_forward_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`module.forward(...)` in place of `nn.Module.__call__` (whose hooks the caller
+    runs itself: capture/hook_nodes.py), at that call's recursion depth."""
+    pending = getattr(_call_depth, "pending", None)
+    forward = module.forward
+    if pending is None or pending[0] != id(module):
+        return forward(*args, **kwargs)
+    _call_depth.pending = None
+    return _call_at_depth(pending[1], forward, *args, **kwargs)
 
 
 def install(owner: Any) -> None:

@@ -1,10 +1,12 @@
-/* compat.h - the one place where CPython versions are told apart.
+/* compat.h - the shim's (csrc/) view of the version layer, compat/.
  *
  * Everything that changed between CPython minor versions (frame layout, how a frame
  * is owned, opcode numbers and inline-cache sizes, dict version tags) is reached
- * through the names below.  Each supported minor version has its own file,
- * compat_py3XX.c, holding the code that reads that version's internals; no other
- * file tests PY_VERSION_HEX (tests/test_lint.py checks this).
+ * through the names below and those of compat_objects.h, which this includes.  The
+ * versions are told apart in one place, compat_versions.h; each supported minor
+ * version has its own file, compat_py3XX.c, holding the code that reads that
+ * version's internals.  Outside compat/ no file tests a version (tests/test_lint.py
+ * checks this).
  *
  * Ownership: unless a comment says otherwise, every function here returns a
  * BORROWED reference and never raises.
@@ -12,7 +14,7 @@
 #ifndef NNSCALER_COMPAT_H
 #define NNSCALER_COMPAT_H
 
-#include "compat_objects.h"   /* the version tests and the object-level names */
+#include "compat_objects.h"   /* compat_versions.h, and the object-level names */
 
 /* The frame type handed to a PEP 523 evaluator. Opaque outside compat_py3XX.c. */
 struct _PyInterpreterFrame;
@@ -210,7 +212,7 @@ void nns_recursion_credit(PyThreadState *ts, int units);
  * the C counter, or not counted). */
 extern const int nns_recursion_builtin_call_units;
 
-/* ---- bytecode tables (filled per version) ---- */
+/* ---- bytecode tables (compat_opcodes.c: one for every version) ---- */
 typedef struct {
     int cache_entries[256];   /* inline CACHE code units after each opcode */
     /* opcode numbers this project emits or matches; -1 when absent in a version */
@@ -255,7 +257,7 @@ int nns_opcode_is_call(int opcode);
 /* Opcodes that store or delete a name (side effects a rewritten branch may not have). */
 int nns_opcode_is_store(int opcode);
 
-/* ---- code-object details that moved between versions ---- */
+/* ---- code-object details that moved between versions (compat_opcodes.c) ---- */
 /* Name of fast-locals slot `index` (the oparg of LOAD_FAST / LOAD_DEREF /
  * LOAD_CLASSDEREF): a local, cell or free variable.  Borrowed; NULL when out of
  * range. */

@@ -1,13 +1,17 @@
-/* compat_shared.c - compat-layer code that is the same on every CPython version.
+/* compat_shared.c - compat-layer code written once for every CPython version.
  *
  *   - the evaluator bracket (nns_frame_run_enter/leave), which decides whether a
- *     frame must be cleared and popped by us (compat.h);
+ *     frame must be cleared and popped by us (compat.h), and the hand-over to
+ *     CPython's evaluator;
+ *   - the thread state's trace flag and recursion counter;
  *   - the dict-change tracker behind nns_dict_version() on 3.12+, built on the
  *     public dict-watcher API (PyDict_AddWatcher, PEP 509's successor);
  *   - which types read an attribute from the instance __dict__ without Python
  *     (nns_type_reads_instance_dict), on _PyType_Lookup and tp_version_tag, the
  *     same in 3.11-3.14.
- * No CPython internals here: the per-version files hold those.
+ * No CPython internals here, only the public (if unstable) API and the
+ * PyThreadState fields of Include/cpython/pystate.h: the per-version files hold the
+ * internals.
  */
 #include "compat.h"
 
@@ -56,9 +60,57 @@ nns_frame_run_leave(PyThreadState *ts, NnsFrameRun *run, PyObject *result)
     return result;
 }
 
+PyObject *
+nns_eval_frame_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
+{
+    nns_frame_run_mark_handed(frame);
+    return _PyEval_EvalFrameDefault(ts, frame, throw_flag);
+}
+
+/* ---------------------------------------------------------------- the thread */
+
+int
+nns_thread_in_trace_callback(PyThreadState *ts)
+{
+    /* tstate->tracing is raised while a trace/profile function runs
+     * (Include/cpython/pystate.h, 3.11-3.14). */
+    return ts->tracing > 0;
+}
+
+/* The counter behind sys.getrecursionlimit() (Include/cpython/pystate.h).  3.11:
+ * recursion_remaining counts down from recursion_limit, charged by Python frames
+ * (_Py_EnterRecursivePy) and C recursive calls (_Py_EnterRecursiveCallTstate)
+ * alike (v3.11.7).  3.12 gave Python frames a counter of their own (gh-91079):
+ * py_recursion_remaining counts down from py_recursion_limit, charged by Python
+ * frames only (v3.12.1, v3.13.15, v3.14.10); C calls charge c_recursion_remaining
+ * on 3.12 and 3.13, and 3.14 bounds C recursion by a stack-pointer check, which
+ * this touches neither of. */
+#if NNS_PY_MINOR == 11
+#  define RECURSION_LIMIT(ts) ((ts)->recursion_limit)
+#  define RECURSION_REMAINING(ts) ((ts)->recursion_remaining)
+#else
+#  define RECURSION_LIMIT(ts) ((ts)->py_recursion_limit)
+#  define RECURSION_REMAINING(ts) ((ts)->py_recursion_remaining)
+#endif
+
+int
+nns_recursion_used(PyThreadState *ts)
+{
+    return RECURSION_LIMIT(ts) - RECURSION_REMAINING(ts);
+}
+
+void
+nns_recursion_credit(PyThreadState *ts, int units)
+{
+    RECURSION_REMAINING(ts) += units;
+}
+
+/* 3.11's C-call charge includes a METH_NOARGS builtin's call (compat.h). */
+const int nns_recursion_builtin_call_units = NNS_PY_MINOR == 11 ? 1 : 0;
+
 /* ---------------------------------------------------------------- dict changes */
 
-#ifndef NNS_PY311
+#ifdef NNS_DICT_CLOCK
 
 /* Open-addressing table, dict address -> number given at its last change.  Keys are
  * addresses only (no references): the watcher removes a dict when it is freed. */
@@ -210,7 +262,23 @@ nns_dict_watched(PyObject *dict)
     return watch_find(dict) != NULL;
 }
 
-#endif /* !NNS_PY311 */
+#else /* no dict clock: 3.11 */
+
+/* 3.11 has no clock: its dict versions are summed instead (compat_objects.h,
+ * NNS_DICT_TAGS_MONOTONIC), and nns_dict_version is inline there. */
+uint64_t
+nns_dict_clock(void)
+{
+    return 0;
+}
+
+int
+nns_dict_watched(PyObject *Py_UNUSED(dict))
+{
+    return 0;
+}
+
+#endif /* NNS_DICT_CLOCK */
 
 /* ------------------------------------------------- plain instance attributes */
 

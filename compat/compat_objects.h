@@ -1,9 +1,10 @@
-/* compat_objects.h - the object-level half of the version layer: which CPython this
- * is, and the few names that read objects (dicts, weak references, instance dicts,
- * type lookups) whose internals changed between minor versions.  guards/ include
- * this header and no other of csrc/; compat.h (frames, bytecode, the evaluator
- * slot, recursion) includes it for the shim.  The functions declared without a
- * body here are defined in compat_py3XX.c.
+/* compat_objects.h - the object-level half of the version layer: the few names that
+ * read objects (dicts, weak references, instance dicts, type lookups) whose
+ * internals changed between minor versions.  guards/ include this header and no
+ * other of the layer; compat.h (frames, bytecode, the evaluator slot, recursion)
+ * includes it for the shim.  Which CPython this is comes from compat_versions.h.
+ * The functions declared without a body here are defined in compat_shared.c and
+ * compat_py3XX.c.
  *
  * Ownership: unless a comment says otherwise, every function here returns a
  * BORROWED reference and never raises.
@@ -11,30 +12,7 @@
 #ifndef NNSCALER_COMPAT_OBJECTS_H
 #define NNSCALER_COMPAT_OBJECTS_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-/* CPython 3.11: audited against v3.11.7 (compat_py311.c). Tested. */
-#  define NNS_PY311 1
-#elif PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030D0000
-/* CPython 3.12: written from v3.12.7's sources (compat_py312.c). UNTESTED: no 3.12
- * interpreter was available where it was written. */
-#  define NNS_PY312 1
-#elif PY_VERSION_HEX >= 0x030D0000 && PY_VERSION_HEX < 0x030E0000
-/* CPython 3.13: audited against v3.13.15 (compat_py313.c). Tested. */
-#  define NNS_PY313 1
-#elif PY_VERSION_HEX >= 0x030E0000 && PY_VERSION_HEX < 0x030F0000
-/* CPython 3.14: audited against v3.14.10 (compat_py314.c). Tested. */
-#  define NNS_PY314 1
-#else
-#  error "nnscaler-eval: unaudited CPython version; frame internals must be checked first"
-#endif
-
-#ifdef Py_GIL_DISABLED
-/* The evaluator's per-thread state and the dict-watcher side table rely on the GIL. */
-#  error "nnscaler-eval: free-threaded CPython builds are not supported"
-#endif
+#include "compat_versions.h"   /* Python.h, and which CPython this is */
 
 /* ---- dicts: "has this changed since I looked?" ---- */
 
@@ -70,7 +48,7 @@ uint64_t nns_dict_version(PyObject *dict);
  * address), every d_i is unchanged iff sum(nns_dict_version(d_i)) == sum(v_i): each
  * term can only have grown, so an equal sum leaves no room for any to have.  The sum
  * is kept in 128 bits (nns_tag_sum, a carry count above 64), which no count of
- * 64-bit versions overflows, so the equivalence is exact, not probable.  cache.c
+ * 64-bit versions overflows, so the equivalence is exact, not probable.  cache_entry.c
  * checks all of an entry's dict guards this way, a load and an add per dict and one
  * compare for all (docs/design.md, "Guards").  3.12+ have the dict clock instead
  * (below): their versions are per dict, not from one counter. */
@@ -101,6 +79,14 @@ nns_tag_sum_equal(nns_tag_sum a, nns_tag_sum b)
  * change in the process: each dict is read, their versions summed:
  * NNS_DICT_TAGS_MONOTONIC above). */
 uint64_t nns_dict_clock(void);
+
+#ifndef NNS_PY311
+/* 3.12+: nns_dict_clock() is a clock (above), and the way to know a dict is
+ * unchanged: PEP 699 deprecated ma_version_tag in 3.12 (gh-101193) and 3.14 removed
+ * it, while the dict watchers (PyDict_AddWatcher) are new in 3.12.  On 3.11,
+ * NNS_DICT_TAGS_MONOTONIC instead. */
+#  define NNS_DICT_CLOCK 1
+#endif
 
 /* 1 when changes to `dict` move nns_dict_clock (it is watched now, watching it first
  * if need be), 0 when they may not (3.11, or watching failed).  Never raises. */
