@@ -267,6 +267,75 @@ class ResidualScale(nn.Module):
         return y
 
 
+class BeamSearchFixed(nn.Module):
+    """Beam-search style decoding with fixed shapes: extend while any beam is
+    unfinished, at most `steps` times (`while mask.any()`-style test, a tensor step
+    counter); inputs where every beam is done at once run zero iterations."""
+
+    def __init__(self, vocab: int = 8, steps: int = 5) -> None:
+        super().__init__()
+        self.step = nn.Linear(vocab, vocab)
+        self.steps = steps
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        done = logits.argmax(-1) == 0
+        n = torch.zeros((), dtype=torch.long)
+        while (~done).any() & (n < self.steps):
+            logits = self.step(logits.softmax(-1)) + logits
+            done = done | (logits.argmax(-1) == 0)
+            n = n + 1
+        return logits * (n + 1)
+
+
+class FixedPointSolve(nn.Module):
+    """Solves h = tanh(W h + x) by iterating to a tolerance (a DEQ-style layer):
+    `while delta > tol:`, then a projection."""
+
+    def __init__(self, dim: int = HIDDEN, tol: float = 1e-4, limit: int = 50) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim, bias=False)
+        with torch.no_grad():
+            self.w.weight.mul_(0.3)
+        self.out = nn.Linear(dim, dim)
+        self.tol = tol
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x)
+        delta = torch.tensor(float("inf"))
+        i = torch.zeros(())
+        while (delta > self.tol) & (i < self.limit):
+            new = torch.tanh(self.w(h) + x)
+            delta = (new - h).abs().max()
+            h = new
+            i = i + 1
+        return self.out(h)
+
+
+class HaltingLoop(nn.Module):
+    """Adaptive computation time written as a `while`: refine while some row has not
+    halted; a branch inside the loop body (an `if` on a tensor in a `while`)."""
+
+    def __init__(self, dim: int = HIDDEN, eps: float = 0.01) -> None:
+        super().__init__()
+        self.cell = nn.Linear(dim, dim)
+        self.halt = nn.Linear(dim, 1)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = x
+        halted = torch.zeros(x.shape[0], 1)
+        while (halted < 1 - self.eps).any():
+            p = torch.sigmoid(self.halt(state)).clamp(min=0.2)
+            running = (halted < 1 - self.eps).float()
+            update = torch.tanh(self.cell(state))
+            if update.abs().max() > 0.9:
+                update = update * 0.5
+            state = state + running * update
+            halted = halted + running * p
+        return state
+
+
 # -- refused: they fall back, with a reason ------------------------------------------------
 
 TRACE_LOG: list = []
@@ -325,6 +394,21 @@ class BeamSearchWhile(nn.Module):
         return logits
 
 
+class GrowingBeam(nn.Module):
+    """A decoding loop that appends a token per step: what it carries grows, which a
+    while_loop cannot hold (it must fall back, saying which variable changed shape)."""
+
+    def __init__(self, vocab: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        while ((tokens[:, -1] != 0) & (tokens.shape[1] < 6)).any():
+            nxt = self.embed(tokens[:, -1]).argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], 1)
+        return tokens
+
+
 class DifferentPythonValues(nn.Module):
     """The sides give a Python number the rest of the forward uses."""
 
@@ -370,6 +454,13 @@ SUITE: dict[str, tuple[Callable[[], nn.Module], Callable[[], list]]] = {
     "clamped_topk": (ClampedTopK, lambda: [(torch.randn(4, 10),), (-torch.rand(4, 10) - 0.1,)]),
     "residual_scale": (ResidualScale, lambda: [(torch.randn(4, HIDDEN) * s,) for s in
                                                (1.0, -1.0, 3.0)]),
+    "beam_search_fixed": (BeamSearchFixed, lambda: [
+        (torch.randn(3, 8),), (torch.randn(3, 8) * 4,),
+        (torch.tensor([[5.0] + [0.0] * 7] * 3),)]),          # all done: zero iterations
+    "fixed_point_solve": (FixedPointSolve, lambda: [(torch.randn(4, HIDDEN),),
+                                                    (torch.randn(4, HIDDEN) * 0.01,)]),
+    "halting_loop": (HaltingLoop, lambda: [(torch.randn(4, HIDDEN),),
+                                           (torch.randn(4, HIDDEN) * 10,)]),
 }
 
 # name -> (factory, inputs, words the fallback reason holds)
@@ -380,6 +471,8 @@ REFUSED: dict[str, tuple[Callable[[], nn.Module], Callable[[], list], str]] = {
     "optional_output": (OptionalOutput, lambda: [(torch.randn(3, 4),)],
                         "different structures"),
     "beam_search_while": (BeamSearchWhile, lambda: [(torch.randn(2, 8),)], "while"),
+    "growing_beam": (GrowingBeam, lambda: [(torch.tensor([[3], [5]]),)],
+                     "'tokens' changes shape in an iteration"),
     "different_python_values": (DifferentPythonValues, lambda: [(torch.randn(3, 4),)],
                                 "different Python values"),
 }

@@ -369,8 +369,13 @@ def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
         construct = "torch.cond" if target is torch.ops.higher_order.cond else str(target)
         info = node.meta.get("nnscaler_if")
         if isinstance(info, dict):
-            construct = (f"an `if` on a tensor (captured as torch.cond; a side calls "
+            construct = ("an `if` on a tensor (captured as torch.cond; a side calls "
                          "something, so it is not an ifexpr)")
+        loop = node.meta.get("nnscaler_while")
+        if isinstance(loop, dict):
+            construct = ("a `while` loop on a tensor (captured as while_loop; nnScaler's "
+                         "graph has no loops)" if loop.get("converted_from") == "bytecode"
+                         else "torch while_loop (nnScaler's graph has no loops)")
         raise ExportError(f"export_for_nnscaler: {construct} at {_where(node)} cannot be "
                           "expressed in nnScaler's graph (it has no conditional op); use "
                           "`a if self.training else b` or a registered op")

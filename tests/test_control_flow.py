@@ -22,6 +22,7 @@ from nnscaler_eval.bytecode.code_graph import EXIT, Analysis
 from nnscaler_eval.capture import GraphBreakError
 
 COND = torch.ops.higher_order.cond
+WHILE = torch.ops.higher_order.while_loop
 
 
 def _close(a, b) -> bool:
@@ -35,6 +36,10 @@ def _close(a, b) -> bool:
 
 def _conds(gm: torch.fx.GraphModule) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is COND]
+
+
+def _whiles(gm: torch.fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is WHILE]
 
 
 @pytest.mark.parametrize("name", sorted(models.SUITE))
@@ -51,8 +56,10 @@ def test_suite_forward_is_one_graph_equal_to_eager_on_every_side(name):
     report = nnscaler.explain(compiled, *inputs()[0])
     assert not report.fallbacks
     assert len(report.graphs) == 1
-    assert _conds(report.graphs[0])
+    assert _conds(report.graphs[0]) or _whiles(report.graphs[0])
     assert report.branches and all(note.converted for note in report.branches)
+    kinds = {note.kind for note in report.branches}
+    assert ("while" in kinds) == bool(_whiles(report.graphs[0]))
 
 
 @pytest.mark.parametrize("name", sorted(models.REFUSED))
@@ -308,15 +315,206 @@ def test_analysis_refusals_have_reasons():
             x = x + 1
         return x
 
-    def loop(self, x):
+    def loop_breaks(self, x):
         while x.sum() > 0:
             x = x - 1
+            if x.mean() < 0:
+                break
         return x
+
+    def loop_unbound(self, x):
+        while x.sum() > 0:
+            y = x * 2
+            x = x - y
+        return y
 
     assert "try/with" in _sites(in_try)[0].refusal
     assert "one side only" in _sites(one_sided)[0].refusal
     assert "enclosing loop" in _sites(breaks)[0].refusal
-    assert any("while" in (s.refusal or "") for s in _sites(loop))
+    assert "break" in Analysis(loop_breaks.__code__).loops[0].refusal
+    assert "'y'" in Analysis(loop_unbound.__code__).loops[0].refusal
+
+
+def test_analysis_finds_a_while_loop_its_carried_locals_and_inputs():
+    def loop(self, x, tol):
+        y = x
+        while x.abs().max() > tol:
+            t = x * 0.5            # a temporary of one iteration: not carried
+            x = t
+            y = y + x
+        return x + y
+
+    analysis = Analysis(loop.__code__)
+    [found] = analysis.loops
+    assert found.refusal is None
+    assert found.carried == ("x", "y")
+    assert found.inputs == ("tol",)
+    assert found.line == loop.__code__.co_firstlineno + 2
+    # both copies of the test (before the loop, after the body) are its sites
+    assert len(found.entries) == 2
+    assert all(analysis.sites[k].loop is found for k in found.entries)
+
+
+class _Halve(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, tol):
+        y = torch.zeros_like(x)
+        while x.abs().max() > tol:
+            x = x * 0.5
+            y = y + self.lin(x)
+        return x, y
+
+
+def test_while_loop_equals_eager_for_any_number_of_iterations_without_recapture():
+    torch.manual_seed(0)
+    eager = _Halve()
+    compiled = nnscaler.compile(copy.deepcopy(eager))
+    x = torch.randn(3, 4) * 4
+    peak = x.abs().max().item()
+    # zero iterations, then one, several, zero again: one capture, one graph
+    for tol in (peak * 2, peak * 0.6, 1e-3, peak * 2, 0.5):
+        assert _close(eager(x, torch.tensor(tol)), compiled(x, torch.tensor(tol)))
+    info = nnscaler.cache_info(compiled)
+    assert info.captures == 1 and info.fallbacks == 0, info
+    report = nnscaler.explain(compiled, x, torch.tensor(0.5))
+    assert len(report.graphs) == 1 and len(_whiles(report.graphs[0])) == 1
+
+
+def test_first_call_of_a_zero_iteration_loop_hands_back_the_values_as_they_were():
+    eager, compiled = _Halve(), None
+    compiled = nnscaler.compile(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    out = compiled(x, torch.tensor(100.0))     # the capture itself runs no iteration
+    assert torch.equal(out[0], x) and torch.equal(out[1], torch.zeros_like(x))
+    assert _close(eager(x, torch.tensor(0.1)), compiled(x, torch.tensor(0.1)))
+    assert nnscaler.cache_info(compiled).captures == 1
+
+
+def test_gradients_through_a_converted_while_equal_eager():
+    torch.manual_seed(0)
+    eager = _Halve()
+    compiled = nnscaler.compile(copy.deepcopy(eager))
+    for tol in (0.3, 100.0, 0.05):
+        x = torch.randn(3, 4) * 2
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        sum(t.sum() for t in eager(xa, torch.tensor(tol))).backward()
+        sum(t.sum() for t in compiled(xb, torch.tensor(tol))).backward()
+        assert torch.allclose(xa.grad, xb.grad, atol=1e-6)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+    assert nnscaler.cache_info(compiled).captures == 1
+
+
+def test_a_loop_carrying_a_python_number_falls_back_naming_it():
+    class Counts(nn.Module):
+        def forward(self, x):
+            n = 0
+            while x.sum() > 1:
+                x = x / 2
+                n = n + 1
+            return x * n
+
+    eager, compiled = Counts(), nnscaler.compile(Counts())
+    for x in (torch.ones(3), torch.ones(3) * 10, torch.zeros(3)):
+        assert torch.equal(eager(x), compiled(x))
+    report = nnscaler.explain(compiled, torch.ones(3) * 10)
+    [fallback] = report.fallbacks
+    assert "carries 'n', a int" in fallback.reason
+    assert "`while`" in fallback.reason
+    assert [n.kind for n in report.branches if not n.converted] == ["while"]
+
+
+def test_fullgraph_does_not_raise_on_a_convertible_loop_and_raises_on_a_refused_one():
+    model = nnscaler.compile(models.BeamSearchFixed(), fullgraph=True)
+    model(torch.randn(3, 8))
+    model(torch.randn(3, 8) * 4)
+    assert nnscaler.cache_info(model).captures == 1
+    refused = nnscaler.compile(models.GrowingBeam(), fullgraph=True)
+    with pytest.raises(GraphBreakError) as info:
+        refused(torch.tensor([[3], [5]]))
+    assert "'tokens' changes shape" in str(info.value)
+    assert models.__file__ in str(info.value)
+
+
+def test_explain_and_logs_name_each_converted_loop_with_its_line(caplog):
+    import logging
+
+    from nnscaler_eval import logs
+    model = nnscaler.compile(models.HaltingLoop())
+    report = nnscaler.explain(model, torch.randn(4, models.HIDDEN))
+    source = open(models.__file__).read().splitlines()
+    loops = [n for n in report.branches if n.kind == "while"]
+    assert len(loops) == 1 and loops[0].converted
+    assert source[loops[0].lineno - 1].strip().startswith("while ")
+    assert "while_loop" in str(report)
+    with caplog.at_level(logging.DEBUG, logger="nnscaler.graph"):
+        logs.graph.setLevel(logging.DEBUG)
+        try:
+            model = nnscaler.compile(models.FixedPointSolve())
+            model(torch.randn(3, models.HIDDEN))
+        finally:
+            logs.configure()
+    assert any("while at" in r.getMessage() and "while_loop" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_backend_aot_eager_gets_the_while_node():
+    torch.manual_seed(0)
+    eager = models.BeamSearchFixed()
+    compiled = nnscaler.compile(copy.deepcopy(eager), backend="aot_eager")
+    for args in models.SUITE["beam_search_fixed"][1]():
+        assert _close(eager(*args), compiled(*args))
+    assert nnscaler.cache_info(compiled).captures == 1
+
+
+def test_export_keeps_the_while_node_and_export_for_nnscaler_names_it():
+    from nnscaler_eval.export import ExportError
+    from nnscaler_eval.parallelize import _retarget
+
+    exported = nnscaler_eval_export(models.FixedPointSolve(), torch.randn(4, models.HIDDEN))
+    [node] = _whiles(exported)
+    assert node.meta["nnscaler_while"]["converted_from"] == "bytecode"
+    with pytest.raises(ExportError) as info:
+        _retarget(node, object())
+    text = str(info.value)
+    assert "`while` loop" in text and "no loops" in text
+    assert f"{models.__file__}:{node.meta['nnscaler_while']['line']}" in text
+
+
+class _ExplicitLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        from torch._higher_order_ops import while_loop
+
+        def cond_fn(i, h):
+            return i < n
+
+        def body_fn(i, h):
+            return i + 1, torch.tanh(self.lin(h))
+
+        i, h = while_loop(cond_fn, body_fn, (torch.zeros((), dtype=torch.long), x))
+        return h * 2, i
+
+
+def test_an_explicit_while_loop_is_one_node():
+    torch.manual_seed(0)
+    eager = _ExplicitLoop()
+    compiled = nnscaler.compile(copy.deepcopy(eager))
+    for n in (3, 0, 5, 1):
+        x = torch.randn(2, 4)
+        assert _close(eager(x, torch.tensor(n)), compiled(x, torch.tensor(n)))
+    info = nnscaler.cache_info(compiled)
+    assert info.captures == 1 and info.fallbacks == 0, info
+    report = nnscaler.explain(compiled, torch.randn(2, 4), torch.tensor(2))
+    assert not report.fallbacks and len(_whiles(report.graphs[0])) == 1
+    # and eagerly, outside any capture, it still is torch's while_loop
+    assert _close(eager(x, torch.tensor(2)), _ExplicitLoop.forward(compiled, x, torch.tensor(2)))
 
 
 def test_analysis_sees_bool_where_this_version_takes_it():

@@ -127,6 +127,34 @@ class Site:
     live_out: tuple[str, ...] = ()      # written by a side and live where they meet
     calls: bool = False                 # a side holds a call (the ifexpr rule)
     refusal: Optional[str] = None
+    loop: Optional["Loop"] = None       # the `while` loop whose test this is
+
+
+@dataclass
+class Loop:
+    """A `while` loop on `bool()` of a value, as a candidate `while_loop`.
+
+    CPython 3.11-3.14 compile `while test: body` rotated: the test once before the loop
+    (the *entry* site) and once more after the body (the *back* site, whose jump goes
+    back to the body).  `body` is the body's first instruction and `exit` where control
+    goes when the test fails (both past unconditional jumps); `region` runs from `body`
+    to the back site's `bool()` (the body, then the test's second copy).  `carried` are
+    the locals the region writes that are live into it or after the loop (the
+    while_loop's carried values, in order); `inputs` the other locals it reads (extra
+    parameters of the body function).  `exits` are the instructions where control lands
+    when a test fails (the join hooks go there)."""
+
+    back: int                           # bool_at of the back site
+    enter: bool                         # the outcome of bool() that runs the body
+    body: int
+    exit: int
+    line: int
+    entries: tuple[int, ...] = ()       # bool_at of every site that tests it
+    exits: tuple[int, ...] = ()
+    region: frozenset[int] = frozenset()
+    carried: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    refusal: Optional[str] = None
 
 
 class Analysis:
@@ -153,6 +181,7 @@ class Analysis:
         self.assigned_before = self._definite_assignment()
         self.ipdom = self._post_dominators()
         self.sites = self._find_sites()
+        self.loops = self._find_loops()
 
     # -- local variables touched by an instruction ---------------------------------
 
@@ -489,3 +518,119 @@ class Analysis:
         if start == merge:
             return set(at_merge)
         return set(live[start])
+
+    # -- `while` loops ---------------------------------------------------------------
+
+    def _resolve(self, k: int) -> int:
+        """Where control really goes from `k`: past unconditional jumps and no-ops."""
+        seen = set()
+        while k != EXIT and k not in seen:
+            seen.add(k)
+            item = self.instrs[k]
+            if item.opcode in OPS.unconditional_jumps or item.opcode in (OPS.nop, OPS.not_taken):
+                k = self.succ[k][0]
+            else:
+                break
+        return k
+
+    def _find_loops(self) -> list[Loop]:
+        """Sites that close a `while` loop (see Loop), and the sites that open it."""
+        loops: list[Loop] = []
+        for back in self.sites.values():
+            for enter in (True, False):
+                body = self._resolve(back.sides[enter])
+                exit_ = self._resolve(back.sides[not enter])
+                if body == EXIT or body == exit_:
+                    continue
+                region, leaves, closes = self._loop_region(body, back.bool_at, exit_)
+                if not closes:
+                    continue
+                entries = [s for s in self.sites.values() if s is not back
+                           and s.bool_at not in region
+                           and self._resolve(s.sides[enter]) == body
+                           and self._resolve(s.sides[not enter]) == exit_]
+                if not entries:
+                    continue
+                loop = Loop(back=back.bool_at, enter=enter, body=body, exit=exit_,
+                            line=entries[0].line,
+                            entries=tuple(s.bool_at for s in entries) + (back.bool_at,),
+                            exits=tuple(sorted({s.sides[not enter] for s in entries}
+                                               | {back.sides[not enter]})),
+                            region=frozenset(region))
+                loop.refusal = self._examine_loop(loop, back, leaves)
+                for site in (*entries, back):
+                    site.loop = loop
+                    site.refusal = loop.refusal
+                loops.append(loop)
+                break
+        return loops
+
+    def _loop_region(self, body: int, stop: int, exit_: int) -> tuple[set[int], bool, bool]:
+        """Instructions run from `body` up to `stop` (exception edges included);
+        whether control can leave the loop on the way (reach `exit_` or the exit), and
+        whether it reaches `stop`."""
+        region: set[int] = set()
+        closes = leaves = False
+        work = [body]
+        while work:
+            k = work.pop()
+            if k == stop:
+                closes = True
+                continue
+            if k == EXIT or self._resolve(k) == exit_:
+                leaves = True
+                continue
+            if k in region:
+                continue
+            region.add(k)
+            work.extend(self.succ[k])
+            if self.exc_succ[k] is not None:
+                work.append(self.exc_succ[k])
+        return region, leaves, closes
+
+    def _examine_loop(self, loop: Loop, back: Site, leaves: bool) -> Optional[str]:
+        code = self.code
+        if code.co_flags & (0x20 | 0x80 | 0x100 | 0x200):
+            return "it is in a generator or coroutine"
+        if leaves:
+            return ("the loop can end other than by its test (break, return or raise in "
+                    "the body, or a test joined with and/or)")
+        for k in loop.entries:
+            if self.instrs[k].handler is not None:
+                return "the loop sits inside a try/with block"
+        base = self.depth[back.jump]
+        if base is None:
+            return "it is unreachable"
+        base += stack_effect(self.instrs[back.jump].opcode, self.instrs[back.jump].arg, False)
+        for k in loop.region:
+            d = self.depth[k]
+            item = self.instrs[k]
+            if d is None:
+                continue
+            if d < base or (item.handler is not None and item.handler[1] < base):
+                return "the body leaves an enclosing loop or expression"
+            if self.touches_cell(k):
+                return "the body uses a variable shared with a nested function (a cell)"
+            if item.opcode == OPS.delete_fast:
+                return f"the body deletes the local {local_name(code, item.arg)!r}"
+            if item.opcode in OPS.yields:
+                return "the body yields"
+        written = {self.writes(k) for k in loop.region} - {None}
+        live = self.live_before[loop.body] | self.live_before[loop.exit] \
+            if loop.exit != EXIT else self.live_before[loop.body]
+        carried = sorted(n for n in written if n in live)  # type: ignore[type-var]
+        loop.carried = tuple(carried)
+        live_in = self._live_in_side(loop.body, loop.region, loop.back, frozenset(carried))
+        loop.inputs = tuple(sorted(live_in - set(carried)))
+        for k in loop.entries:
+            assigned = self.assigned_before[k] or frozenset()
+            for name in carried:
+                if name not in assigned:
+                    return (f"{name!r} is assigned in the loop and used after it or in the "
+                            "next iteration, but may be unbound before it")
+        for k in loop.exits:
+            assigned = self.assigned_before[k] or frozenset()
+            for name in carried:
+                if name not in assigned:
+                    return f"{name!r} may be unbound where the loop ends"
+        return None

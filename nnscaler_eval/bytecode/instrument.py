@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from nnscaler_eval.bytecode import versions
-from nnscaler_eval.bytecode.code_graph import EXIT, Analysis, Instr, Site, assemble, local_name
+from nnscaler_eval.bytecode.code_graph import (EXIT, Analysis, Instr, Loop, Site, assemble,
+                                                local_name)
 from nnscaler_eval.bytecode.versions import INTRINSICS_REFUSED, OPS
 
 CO_OPTIMIZED, CO_NEWLOCALS = 0x1, 0x2
@@ -116,6 +117,9 @@ class Written:
     consts: _Consts
     analysis: Analysis
     joins: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # base index of a site's bool() -> the first instruction of its fork call (the test
+    # on top of the stack): where a loop's body function stops
+    forks: dict[int, Instr] = field(default_factory=dict)
 
 
 def _emit(where: Instr, pairs: list[tuple[int, int]]) -> list[Instr]:
@@ -135,12 +139,19 @@ def write(analysis: Analysis, hooks: Hooks, checked: bool,
     out: list[Instr] = []
     entry: list[Optional[Instr]] = [None] * len(base)
     core: list[Optional[Instr]] = [None] * len(base)
+    forks: dict[int, Instr] = {}
 
     # Where the sides of convertible `if`s meet, and the locals each join hands over.
     joins: dict[int, list[str]] = {}
     exit_regions: set[int] = set()
     for site in analysis.sites.values():
         if site.refusal is not None:
+            continue
+        if site.loop is not None:
+            # where the loop ends: its carried locals become the while_loop's results
+            for k in site.loop.exits:
+                names = joins.setdefault(k, [])
+                names += [n for n in site.loop.carried if n not in names]
             continue
         if site.merge == EXIT:
             exit_regions |= site.regions[True] | site.regions[False]
@@ -200,11 +211,15 @@ def write(analysis: Analysis, hooks: Hooks, checked: bool,
                 # 3.13+: the compare takes bool() itself; make it give the value, hook
                 # it, then take bool() as TO_BOOL does
                 itself = [item.like(op, arg & ~OPS.compare_bool_flag)]
-                itself += _emit(item, versions.call_on_top(fork))
+                hook_call = _emit(item, versions.call_on_top(fork))
+                forks[k] = hook_call[0]
+                itself += hook_call
                 itself.append(item.like(OPS.to_bool))
                 put(k, prefix + itself, itself[0])
                 continue
-            prefix += _emit(item, versions.call_on_top(fork))
+            hook_call = _emit(item, versions.call_on_top(fork))
+            forks[k] = hook_call[0]
+            prefix += hook_call
         if k in exit_regions and op in OPS.returns:
             if op == OPS.return_const:
                 prefix.append(item.like(OPS.load_const, arg))
@@ -297,7 +312,7 @@ def write(analysis: Analysis, hooks: Hooks, checked: bool,
         if item.handler is not None and id(item.handler[0]) in where:
             item.handler = (where[id(item.handler[0])], item.handler[1], item.handler[2])
     return Written(out, entry, core, consts, analysis,   # type: ignore[arg-type]
-                   join_names)
+                   join_names, forks)
 
 
 def _calls_comprehension(base: list[Instr], k: int) -> bool:
@@ -355,6 +370,45 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
         epilogue = _emit(stop, versions.push_callable(consts.index(builtins.locals))
                          + versions.call(0) + [(OPS.return_value, 0)])
 
+    which = "true" if side else "false"
+    return _cut(written, start, first, {stop: epilogue} if stop is not None else {},
+                base_depth, list(site.live_in), sorted(site.maybe_unbound_in),
+                f"{code.co_name}_if_{site.line}_{which}",
+                f"{code.co_qualname}.<if at line {site.line}: {which}>")
+
+
+def loop_body_code(written: Written, loop: Loop) -> types.CodeType:
+    """The code of one iteration of `loop`'s body, then its test, as a function of
+    `loop.carried + loop.inputs`: it returns `(test, locals())` where the back site
+    would take `bool()` of the test (from the checked flavour `written`)."""
+    analysis = written.analysis
+    code = analysis.code
+    consts = written.consts
+    start = written.entry[loop.body]
+    first = analysis.instrs[loop.body]
+    back = analysis.sites[loop.back]
+    base_depth = analysis.depth[back.jump]
+    assert base_depth is not None
+    base_depth += versions.stack_effect(analysis.instrs[back.jump].opcode,
+                                        analysis.instrs[back.jump].arg, False)
+    stop = written.forks[loop.back]
+    epilogue = _emit(stop, versions.push_callable(consts.index(builtins.locals))
+                     + versions.call(0) + [(OPS.build_tuple, 2), (OPS.return_value, 0)])
+    return _cut(written, start, first, {stop: epilogue}, base_depth,
+                [*loop.carried, *loop.inputs], [],
+                f"{code.co_name}_while_{loop.line}_body",
+                f"{code.co_qualname}.<while at line {loop.line}: body>")
+
+
+def _cut(written: Written, start: Instr, first: Instr, stops: dict[Instr, list[Instr]],
+         base_depth: int, params: list[str], maybe_unbound: list[str],
+         co_name: str, co_qualname: str) -> types.CodeType:
+    """A function of `params` running the written code from `start` until one of
+    `stops`, which is replaced by its epilogue; the stack below `base_depth` (an
+    enclosing loop's iterator) is not there.  `maybe_unbound` parameters are deleted
+    first when they come as UNBOUND."""
+    code = written.analysis.code
+    consts = written.consts
     # What runs: reachable from the side's entry, stopping at the end.
     index = {id(item): k for k, item in enumerate(written.instrs)}
     reach: set[int] = set()
@@ -365,7 +419,7 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
             continue
         reach.add(k)
         item = written.instrs[k]
-        if item is stop:
+        if item in stops:
             continue
         if item.handler is not None:
             work.append(index[id(item.handler[0])])
@@ -377,14 +431,13 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
             work.append(k + 1)
 
     # Locals: the side's live-ins are the parameters, in site.live_in order.
-    params = list(site.live_in)
     names = list(params)
     body: list[Instr] = []
     copies: dict[int, Instr] = {}
     for k in sorted(reach):
         item = written.instrs[k]
-        if item is stop:
-            replacement = epilogue
+        if item in stops:
+            replacement = stops[item]
             copies[id(item)] = replacement[0]
             body.extend(replacement)
             continue
@@ -407,7 +460,7 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
             copy.handler = (copies[id(handler)], depth - base_depth, lasti)
 
     prologue = [first.like(OPS.resume, 0)]
-    for name in sorted(site.maybe_unbound_in):
+    for name in maybe_unbound:
         # if name is UNBOUND: del name
         load = first.like(OPS.load_fast, names.index(name))
         check = [load, first.like(OPS.load_const, consts.index(UNBOUND)),
@@ -421,7 +474,6 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
         prologue += check + [delete, after]
     enter = first.like(OPS.jump_forward, 0, copies[id(start)])
     instrs = prologue + [enter] + body
-    which = "true" if side else "false"
     return assemble(
         code, instrs,
         co_consts=tuple(consts.items),
@@ -433,7 +485,6 @@ def side_function_code(written: Written, site: Site, side: bool) -> types.CodeTy
         co_cellvars=(),
         co_freevars=(),
         co_flags=CO_OPTIMIZED | CO_NEWLOCALS,
-        co_name=f"{code.co_name}_if_{site.line}_{which}",
-        co_qualname=f"{code.co_qualname}.<if at line {site.line}: {which}>",
+        co_name=co_name,
+        co_qualname=co_qualname,
     )
-

@@ -51,9 +51,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from nnscaler_eval import _C, logs
 from nnscaler_eval.bytecode import instrument
-from nnscaler_eval.bytecode.code_graph import EXIT, Analysis, Site
+from nnscaler_eval.bytecode.code_graph import EXIT, Analysis, Loop, Site
 from nnscaler_eval.bytecode.instrument import UNBOUND, Hooks, Written
-from nnscaler_eval.capture import checked
+from nnscaler_eval.capture import checked, loops
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.capture.data_dependence import has_unbacked_size
 from nnscaler_eval.capture.nodes import class_name
@@ -71,12 +71,14 @@ class BranchNote:
     lineno: int
     converted: bool
     reason: str = ""
+    kind: str = "if"        # or "while"
 
     def __str__(self) -> str:
         where = f"{self.filename}:{self.lineno}"
         if self.converted:
-            return f"if at {where}: torch.cond"
-        return f"if at {where}: not converted ({self.reason})"
+            return f"{self.kind} at {where}: " + (
+                "torch.cond" if self.kind == "if" else "torch.ops.higher_order.while_loop")
+        return f"{self.kind} at {where}: not converted ({self.reason})"
 
 
 # -- per code object: the analysis and what is written from it --------------------------
@@ -97,6 +99,7 @@ class CodeBranches:
         self.merges: dict[int, MergeHook] = {}
         self._written: dict[bool, Written] = {}
         self.sides: dict[tuple[int, bool], types.CodeType] = {}
+        self.loop_bodies: dict[int, types.CodeType] = {}
         # The analysis holds the code object: only the facts are kept.
         self.analysis.code = None  # type: ignore[assignment]
 
@@ -155,6 +158,23 @@ class CodeBranches:
                 self.analysis.code = None  # type: ignore[assignment]
             _C.mark_capture_code(found)
             self.sides[key] = found
+        return found
+
+
+    def loop_body(self, loop: Loop) -> types.CodeType:
+        found = self.loop_bodies.get(loop.back)
+        if found is None:
+            code = self.code_ref()
+            if code is None:
+                raise RuntimeError("the code object of this `while` is gone")
+            written = self.written(True)
+            self.analysis.code = code
+            try:
+                found = instrument.loop_body_code(written, loop)
+            finally:
+                self.analysis.code = None  # type: ignore[assignment]
+            _C.mark_capture_code(found)
+            self.loop_bodies[loop.back] = found
         return found
 
 
@@ -339,6 +359,7 @@ class OpenSite:
     fake_mode: Optional[FakeTensorMode]
     paused: Any                         # the function record, paused meanwhile
     code_mode: int                      # capture_code_mode before
+    loop: Optional[Loop] = None         # a converted `while` (its body runs meanwhile)
 
 
 class BranchState:
@@ -350,8 +371,9 @@ class BranchState:
         self.notes: list[BranchNote] = []
 
     def note(self, note: BranchNote) -> None:
-        if all((n.filename, n.lineno, n.converted, n.reason) !=
-               (note.filename, note.lineno, note.converted, note.reason) for n in self.notes):
+        if all((n.filename, n.lineno, n.converted, n.reason, n.kind) !=
+               (note.filename, note.lineno, note.converted, note.reason, note.kind)
+               for n in self.notes):
             self.notes.append(note)
             if note.converted:
                 logs.graph.debug("%s", note)
@@ -364,9 +386,13 @@ class BranchState:
         tracer = self.tracer
         if not tracer.recording:
             if isinstance(test, FakeTensor):
-                return True   # a side run on fakes after its `if` was traced: any side
+                # a side run on fakes after its `if` was traced: any side; a loop on
+                # fakes runs no iteration (its results are the node's, bound at the exit)
+                return True if hook.site.loop is None else not hook.site.loop.enter
             return test
         site = hook.site
+        if site.loop is not None:
+            return self._fork_loop(hook, test, frame)
         where = (hook.owner.filename, site.line)
         if site.refusal is not None:
             return self._refuse(test, where, site.refusal)
@@ -399,11 +425,12 @@ class BranchState:
         return opened
 
     def _refuse(self, test: Any, where: tuple[str, int], reason: str,
-                at: Optional[tuple[str, int]] = None) -> Any:
+                at: Optional[tuple[str, int]] = None, kind: str = "if") -> Any:
         at = at or where
-        self.note(BranchNote(*at, converted=False, reason=reason))
-        message = (f"data-dependent control flow: the `if` at line {at[1]} on a tensor "
-                   f"is not converted to torch.cond: {reason}")
+        self.note(BranchNote(*at, converted=False, reason=reason, kind=kind))
+        construct = "torch.cond" if kind == "if" else "torch.ops.higher_order.while_loop"
+        message = (f"data-dependent control flow: the `{kind}` at line {at[1]} on a tensor "
+                   f"is not converted to {construct}: {reason}")
         self.tracer.graph_break(message, where)
         return test
 
@@ -534,11 +561,184 @@ class BranchState:
             self.open = open_before
         self.tracer._suspended = suspended
 
+    # -- `while` loops ------------------------------------------------------------------
+
+    def _fork_loop(self, hook: SiteHook, test: Any, frame: Any) -> Any:
+        """The first test of a `while` loop on a tensor: the whole loop becomes one
+        while_loop node, or falls back with the reason."""
+        tracer = self.tracer
+        loop = hook.site.loop
+        assert loop is not None
+        where = (hook.owner.filename, loop.line)
+        if loop.refusal is not None:
+            return self._refuse(test, where, loop.refusal, kind="while")
+        if not isinstance(test, torch.Tensor):
+            return self._refuse(test, where, "its test is a Python number computed from "
+                                "tensor data", kind="while")
+        with torch._C.DisableTorchFunction():
+            if test.numel() != 1:
+                return test   # bool() raises as in eager
+        code_mode = _C.capture_code_mode(0)
+        try:
+            opened = self._convert_loop(hook, loop, test, frame, where)
+        except torch_cond.CondNotCapturable as exc:
+            _C.capture_code_mode(code_mode)
+            if tracer.branch is not None:
+                raise
+            return self._refuse(test, (exc.fallback.filename, exc.fallback.lineno),
+                                exc.fallback.reason, at=where, kind="while")
+        except RecordingAborted:
+            _C.capture_code_mode(code_mode)
+            return test
+        except BaseException:
+            _C.capture_code_mode(code_mode)
+            raise
+        assert self.open is not None
+        self.open.code_mode = code_mode
+        self.note(BranchNote(*where, converted=True, kind="while"))
+        return opened
+
+    def _convert_loop(self, hook: SiteHook, loop: Loop, test: torch.Tensor, frame: Any,
+                      where: tuple[str, int]) -> bool:
+        tracer = self.tracer
+
+        def refuse(reason: str, location: tuple[str, int] = where) -> torch_cond.CondNotCapturable:
+            return torch_cond.CondNotCapturable(Fallback(reason, *location))
+
+        local = frame.f_locals
+        for name in (*loop.carried, *loop.inputs):
+            if name not in local:
+                raise refuse(f"{name!r} is unbound where the loop starts")
+        carried = [local[name] for name in loop.carried]
+        inputs = [local[name] for name in loop.inputs]
+        for name, value in zip(loop.carried, carried):
+            if not isinstance(value, torch.Tensor):
+                raise refuse(f"it carries {name!r}, a {type(value).__name__}: only tensors "
+                             "can change from one iteration to the next")
+        tracer.sync_global_state()
+        pred = _predicate(test)               # recorded: while_loop carries a bool scalar
+        args = [tracer.graph_arg(value) for value in (pred, *carried)]
+        fake_mode = tracer.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+        k = next(tracer.branch_names)
+        function = types.FunctionType(hook.owner.loop_body(loop), frame.f_globals)
+        trace = self._trace_loop_body(function, loop, [pred, *carried], inputs, fake_mode,
+                                      where)
+        with torch._C.DisableTorchFunction():
+            before = [torch_cond._tensor_meta(t) for t in carried]
+        names = [repr(n) for n in loop.carried]
+        reason = loops.changed_carry(names, before, trace.out_meta[1:])
+        if reason is not None:
+            raise refuse(reason)
+        if loops.unbacked_output(trace.out_meta):
+            raise refuse("the body makes a value whose shape depends on tensor values")
+        lifted = dict(trace.frame.lifted_values)
+        n = 1 + len(carried)
+        body_gm = loops.unaliased(trace.finish(n, list(lifted),
+                                               class_name(f"while_body_graph_{k}")))
+        cond_gm = loops.first_input_graph(n + len(lifted), f"while_cond_graph_{k}")
+        node = loops.make_node(tracer, cond_gm, body_gm, k, args, list(lifted))
+        node.meta["nnscaler_while"] = {"line": loop.line, "converted_from": "bytecode"}
+        real = tracer.branch is None and tracer.symbolic is None
+        if real:
+            with torch._C.DisableTorchFunction():
+                taken = bool(pred)
+        else:
+            taken = False   # on fakes: no iteration runs; the exit binds the results
+        self.open = OpenSite(hook, frame, node, trace, real, fake_mode,
+                             _C.record_functions_pause(), -1, loop)
+        tracer._suspended += 1
+        return taken if loop.enter else not taken
+
+    def _trace_loop_body(self, function: Callable[..., Any], loop: Loop, leaves: list[Any],
+                         inputs: list[Any], fake_mode: FakeTensorMode,
+                         where: tuple[str, int]) -> torch_cond.BranchTrace:
+        tracer = self.tracer
+        record = checked.SideRecord()
+        previous_record = checked.set_record(record)
+        open_before, suspended_before = self.open, tracer._suspended
+
+        def run(pred: Any, *carried: Any) -> Any:
+            previous_mode = _C.capture_code_mode(2)
+            try:
+                test, env = function(*carried, *inputs)
+            except checked.BranchRefused as exc:
+                raise torch_cond.CondNotCapturable(Fallback(
+                    f"the loop body {exc.reason}", *exc.location)) from None
+            finally:
+                _C.capture_code_mode(previous_mode)
+            if record.refusal is not None:
+                raise torch_cond.CondNotCapturable(Fallback(
+                    f"the loop body {record.refusal.reason}", *record.refusal.location))
+            if not isinstance(test, torch.Tensor) or test.numel() != 1:
+                raise torch_cond.CondNotCapturable(Fallback(
+                    "the test gives no one-element tensor after an iteration", *where))
+            out = [_predicate(test)]
+            for name in loop.carried:
+                value = env.get(name, UNBOUND)
+                if not isinstance(value, torch.Tensor):
+                    raise torch_cond.CondNotCapturable(Fallback(
+                        f"an iteration leaves {name!r} a {type(value).__name__}: only "
+                        "tensors can change from one iteration to the next", *where))
+                out.append(value)
+            return tuple(out)
+
+        try:
+            return torch_cond._trace_branch(
+                tracer, "body", run, leaves, pytree.tree_flatten(tuple(leaves))[1],
+                fake_mode, where, name=f"body of the `while` at line {loop.line}")
+        finally:
+            self._close_abandoned(open_before, suspended_before)
+            checked.set_record(previous_record)
+
+    def _bind_loop(self, opened: OpenSite, produced: tuple[Any, ...]) -> Any:
+        tracer = self.tracer
+        if tracer.fallback is not None:
+            return None
+        loop = opened.loop
+        assert loop is not None
+        metas = opened.trace.out_meta[1:]
+        where = (opened.hook.owner.filename, loop.line)
+        if opened.real:
+            with torch._C.DisableTorchFunction():
+                for tensor, meta in zip(produced, metas):
+                    if not isinstance(tensor, torch.Tensor) or \
+                            torch_cond._tensor_meta(tensor)[:3] != meta[:3]:
+                        tracer.graph_break(f"the `while` loop at line {loop.line} ran "
+                                           "differently from its trace", where)
+                        return None
+            bound = []
+            for tensor in produced:
+                if tracer.nodes.known(tensor) is not None:
+                    with tracer.suspended():
+                        tensor = tensor.view_as(tensor)
+                bound.append(tensor)
+        else:
+            with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
+                if opened.fake_mode is not None:
+                    stack.enter_context(opened.fake_mode)
+                bound = [torch_cond._fresh_fake(meta) for meta in metas]
+                bound = [t.clone() if t.requires_grad else t for t in bound]
+        tracer.nodes.bind_result((None, *bound), opened.node, dynamic=None)
+        return tuple(bound)
+
     # -- join / ret ---------------------------------------------------------------------
 
     def join(self, merge: MergeHook, values: tuple[Any, ...], frame: Any) -> tuple[Any, ...]:
         opened = self.open
-        if opened is None or opened.frame is not frame or opened.hook.site.merge != merge.merge:
+        if opened is None or opened.frame is not frame:
+            return values
+        if opened.loop is not None:
+            if merge.merge not in opened.loop.exits:
+                return values
+            carried = opened.loop.carried
+            produced = self._close(tuple(values[merge.names.index(n)] for n in carried))
+            if produced is None:
+                return values
+            out = list(values)
+            for name, value in zip(carried, produced):
+                out[merge.names.index(name)] = value
+            return tuple(out)
+        if opened.hook.site.merge != merge.merge:
             return values
         site = opened.hook.site
         picked = tuple(values[merge.names.index(name)] for name in site.live_out)
@@ -552,7 +752,8 @@ class BranchState:
 
     def ret(self, value: Any, frame: Any) -> Any:
         opened = self.open
-        if opened is None or opened.frame is not frame or opened.hook.site.merge != EXIT:
+        if opened is None or opened.frame is not frame or opened.hook.site.merge != EXIT \
+                or opened.loop is not None:
             return value
         produced = self._close(value)
         return value if produced is None else produced
@@ -566,6 +767,8 @@ class BranchState:
         _C.record_functions_resume(opened.paused)
         self.tracer._suspended -= 1
         try:
+            if opened.loop is not None:
+                return self._bind_loop(opened, produced)
             return self._bind(opened, produced)
         finally:
             _C.capture_code_mode(opened.code_mode)   # as before the `if` (mode 0 until here)
@@ -620,7 +823,18 @@ class BranchState:
         _C.record_functions_resume(opened.paused)
         self.tracer._suspended -= 1
         where = (opened.hook.owner.filename, opened.hook.site.line)
-        self.tracer.graph_break(f"the side of the `if` at line {where[1]} raised", where)
+        what = (f"the `while` loop at line {opened.loop.line}" if opened.loop is not None
+                else f"the side of the `if` at line {where[1]}")
+        self.tracer.graph_break(f"{what} raised", where)
+
+
+def _predicate(test: torch.Tensor) -> torch.Tensor:
+    """A one-element test as while_loop carries it: a bool tensor with no dimensions
+    (ops recorded in the graph being built)."""
+    with torch._C.DisableTorchFunction():
+        is_bool, shape = test.dtype == torch.bool, tuple(test.shape)
+    pred = test if is_bool else test.bool()
+    return pred if shape == () else pred.reshape(())
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -340,7 +340,8 @@ def _trace_branch(
             Fallback(f"torch.cond: the {which} branch could not be recorded", *where)
         ) from None
     except Exception as exc:  # the branch cannot run on fake tensors
-        import os, traceback
+        import os
+        import traceback
         if os.environ.get("NNS_DEBUG_COND"):
             t = traceback.format_exception(exc)
             print("".join(t[:40]), "...", "".join(t[-20:]))
