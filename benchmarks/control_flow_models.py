@@ -1,7 +1,7 @@
 """Forwards that branch on tensor values, written the way models write them.
 
 Shared by tests/test_control_flow.py (each is one graph, equal to eager on inputs that
-take every side, no recapture when the test flips) and benchmarks/cases/control_flow.py
+take every side, no recapture when the test flips) and benchmarks/control_flow.py
 (steady state against eager and torch.compile).  `SUITE` lists the convertible ones with
 inputs that drive each of their sides; `REFUSED` those that must fall back, with words
 of the reason.
