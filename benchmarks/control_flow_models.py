@@ -417,7 +417,7 @@ class DifferentPythonValues(nn.Module):
             scale = 2
         else:
             scale = 3
-        return x * scale
+        return (x * scale).relu()    # a tail long enough that 3.12+ do not copy it
 
 
 # name -> (factory, list of argument tuples that together take every side)

@@ -1,8 +1,9 @@
 /* capture_code.h - code run in place of the user's while a capture records.
  *
- * A capture converts `if` statements on tensors into torch.cond
- * (nnscaler_eval/capture/branches.py).  For that, frames of user code started while
- * a capture records run a version of their code with hooks at each `if` (the capture
+ * A capture converts `if` statements on tensors into torch.cond and `while` loops on
+ * tensors into while_loop (nnscaler_eval/capture/branches.py).  For that, frames of
+ * user code started while a capture records run a version of their code with hooks at
+ * each `if` and loop test (the capture
  * flavour), and frames started while one side of such an `if` is traced on fake
  * tensors run a version that checks every side effect (the checked flavour).  Which
  * version, and whether any, is decided in Python once per code object and flavour
@@ -47,9 +48,11 @@ capture_code_wanted(const CodeState *cs)
  * Runs Python (the decision). */
 int capture_code_for(NnsFrame *frame, PyCodeObject *code, CodeState *cs, PyObject **alt);
 
-/* capture_code_mode(mode) -> previous mode (Python function of _C). */
+/* capture_code_mode(mode) -> previous mode (Python function of _C).  New reference
+ * (an int), or NULL with an exception set. */
 PyObject *capture_code_set_mode(PyObject *module, PyObject *mode);
-/* mark_capture_code(code): code written for a capture; never replaced itself. */
+/* mark_capture_code(code): code written for a capture; never replaced itself.  New
+ * reference (None), or NULL with an exception set. */
 PyObject *capture_code_mark(PyObject *module, PyObject *code);
 
 #endif
