@@ -409,6 +409,18 @@ class GrowingBeam(nn.Module):
         return tokens
 
 
+class StopsEarly(nn.Module):
+    """A `while` on a tensor whose body can `break` out: the loop ends other than by its
+    test, which a while_loop cannot say."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        while x.abs().sum() > 1:
+            x = x * 0.5
+            if x.max() < 0.1:
+                break
+        return x
+
+
 class DifferentPythonValues(nn.Module):
     """The sides give a Python number the rest of the forward uses."""
 
@@ -471,6 +483,8 @@ REFUSED: dict[str, tuple[Callable[[], nn.Module], Callable[[], list], str]] = {
     "optional_output": (OptionalOutput, lambda: [(torch.randn(3, 4),)],
                         "different structures"),
     "beam_search_while": (BeamSearchWhile, lambda: [(torch.randn(2, 8),)], "while"),
+    "stops_early": (StopsEarly, lambda: [(torch.randn(3, 4) * 4,), (torch.rand(3, 4) * 0.3,)],
+                    "while"),
     "growing_beam": (GrowingBeam, lambda: [(torch.tensor([[3], [5]]),)],
                      "'tokens' changes shape in an iteration"),
     "different_python_values": (DifferentPythonValues, lambda: [(torch.randn(3, 4),)],

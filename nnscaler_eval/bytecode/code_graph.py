@@ -134,9 +134,10 @@ class Site:
 class Loop:
     """A `while` loop on `bool()` of a value, as a candidate `while_loop`.
 
-    CPython 3.11-3.14 compile `while test: body` rotated: the test once before the loop
+    CPython 3.11-3.13 compile `while test: body` rotated: the test once before the loop
     (the *entry* site) and once more after the body (the *back* site, whose jump goes
-    back to the body).  `body` is the body's first instruction and `exit` where control
+    back to the body); 3.14 compiles it once, the body jumping back to the test (the
+    back site is then the entry too).  `body` is the body's first instruction and `exit` where control
     goes when the test fails (both past unconditional jumps); `region` runs from `body`
     to the back site's `bool()` (the body, then the test's second copy).  `carried` are
     the locals the region writes that are live into it or after the loop (the
@@ -550,9 +551,15 @@ class Analysis:
                            and self._resolve(s.sides[enter]) == body
                            and self._resolve(s.sides[not enter]) == exit_]
                 if not entries:
-                    continue
+                    # Not rotated (3.14): the loop jumps back to the test itself, so the
+                    # back site is the entry too: the test's code, in the region, is
+                    # entered from outside it.
+                    # A loop that can end otherwise is not taken for one here: an `if`
+                    # inside an outer loop looks the same from its sides.
+                    if leaves or not self._tests_again(region, back.bool_at):
+                        continue
                 loop = Loop(back=back.bool_at, enter=enter, body=body, exit=exit_,
-                            line=entries[0].line,
+                            line=(entries[0] if entries else back).line,
                             entries=tuple(s.bool_at for s in entries) + (back.bool_at,),
                             exits=tuple(sorted({s.sides[not enter] for s in entries}
                                                | {back.sides[not enter]})),
@@ -564,6 +571,23 @@ class Analysis:
                 loops.append(loop)
                 break
         return loops
+
+    def _tests_again(self, region: set[int], stop: int) -> bool:
+        """Does the region end with a jump back to the start of the test's code (a loop
+        compiled unrotated): an unconditional jump in it whose target, entered from
+        outside the region too, runs straight (one successor each) to `stop`?"""
+        for j in region:
+            if self.instrs[j].opcode not in OPS.unconditional_jumps:
+                continue
+            start = self.succ[j][0]
+            if start == EXIT or not any(p not in region for p in self.pred[start]):
+                continue
+            k, steps = start, 0
+            while k != stop and k in region and len(self.succ[k]) == 1 and steps < 10_000:
+                k, steps = self.succ[k][0], steps + 1
+            if k == stop:
+                return True
+        return False
 
     def _loop_region(self, body: int, stop: int, exit_: int) -> tuple[set[int], bool, bool]:
         """Instructions run from `body` up to `stop` (exception edges included);

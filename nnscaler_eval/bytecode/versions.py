@@ -237,6 +237,14 @@ def bool_is_taken_before_jump() -> bool:
     return OPS.to_bool >= 0
 
 
+def while_test_copied() -> bool:
+    """3.11-3.13 compile `while test: body` with the test copied after the body (the
+    loop jumps back to the body); 3.14's compiler no longer copies it: the body jumps back to the one
+    test.  The analysis finds both forms (code_graph.Analysis._find_loops); this says
+    which to expect."""
+    return PY < (3, 14)
+
+
 # -- emitters ---------------------------------------------------------------------------
 # Each returns a list of (opcode, oparg) pairs; the caller gives them a location and a
 # handler.  A "constant" argument is an index into the code's co_consts (the caller
