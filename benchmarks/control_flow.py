@@ -162,7 +162,10 @@ def report(results: list[dict[str, Any]], machine: dict[str, Any], args: Any) ->
     geo = {k: math.exp(statistics.fmean(math.log(r["median"]["ours"] / r["median"][k])
                                         for r in results)) for k in ("eager", "dynamo")}
     lines += ["", f"Geometric mean over {len(results)} forwards: ours / eager "
-              f"{geo['eager']:.2f}, ours / Dynamo-eager {geo['dynamo']:.2f}."]
+              f"{geo['eager']:.2f}, ours / Dynamo-eager {geo['dynamo']:.2f}.", "",
+              "Dynamo graphs: graphs Dynamo compiled for the forward over the warm-up "
+              "passes (torch._dynamo's unique_graphs counter); 0 means it compiled none "
+              "and ran the frame as eager."]
     return "\n".join(lines) + "\n"
 
 
