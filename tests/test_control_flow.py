@@ -535,3 +535,24 @@ def test_analysis_sees_bool_where_this_version_takes_it():
         assert taken_at == "TO_BOOL"       # gh-106008
     else:
         assert taken_at.startswith("POP_JUMP")
+
+
+def test_an_explicit_while_loop_carrying_an_int_falls_back_with_the_reason():
+    class CountsInPython(nn.Module):
+        def forward(self, x):
+            from torch._higher_order_ops import while_loop
+
+            i, h = while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 2), (0, x))
+            return h + 1
+
+    eager, compiled = CountsInPython(), nnscaler.compile(CountsInPython())
+    for _ in range(3):
+        x = torch.randn(3)
+        assert torch.equal(eager(x), compiled(x))
+    report = nnscaler.explain(compiled, torch.randn(3))
+    [fallback] = report.fallbacks
+    assert "while_loop: a carried value is a int" in fallback.reason
+    # the library stays usable: a convertible loop in another module still converts
+    other = nnscaler.compile(_ExplicitLoop())
+    other(torch.randn(2, 4), torch.tensor(2))
+    assert nnscaler.cache_info(other).fallbacks == 0
