@@ -465,6 +465,16 @@ def test_explain_and_logs_name_each_converted_loop_with_its_line(caplog):
             logs.configure()
     assert any("while at" in r.getMessage() and "while_loop" in r.getMessage()
                for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="nnscaler.graph"):
+        logs.graph.setLevel(logging.DEBUG)
+        try:
+            model = nnscaler.compile(models.GrowingBeam())
+            model(torch.tensor([[3], [5]]))
+        finally:
+            logs.configure()
+    assert any("while at" in r.getMessage() and "not converted" in r.getMessage()
+               and "changes shape" in r.getMessage() for r in caplog.records)
 
 
 def test_backend_aot_eager_gets_the_while_node():

@@ -375,9 +375,10 @@ class BranchState:
                (note.filename, note.lineno, note.converted, note.reason, note.kind)
                for n in self.notes):
             self.notes.append(note)
-            if note.converted:
-                logs.graph.debug("%s", note)
-            else:
+            # every `if` and `while` on a tensor, converted or not, under "graph"; the
+            # refusals under "fallbacks" too
+            logs.graph.debug("%s", note)
+            if not note.converted:
                 logs.fallbacks.debug("%s", note)
 
     # -- fork ---------------------------------------------------------------------------
