@@ -791,6 +791,13 @@ done:
 PyObject *
 bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts)
 {
+    return bytecode_assemble_with(code, list, consts, NULL);
+}
+
+PyObject *
+bytecode_assemble_with(PyCodeObject *code, const NnsInstrList *list, PyObject *consts,
+                       PyObject *extra)
+{
     PyObject *result = NULL;
     /* owned */
     int *n_prefixes = NULL, *offsets = NULL, *opargs = NULL;
@@ -837,6 +844,9 @@ bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts
     if (consts != NULL && PyDict_SetItemString(kwargs, "co_consts", consts) < 0) {
         goto done;
     }
+    if (extra != NULL && PyDict_Update(kwargs, extra) < 0) {
+        goto done;
+    }
     replace = PyObject_GetAttrString((PyObject *)code, "replace");
     if (replace == NULL) {
         goto done;
@@ -861,6 +871,115 @@ done:
     Py_XDECREF(no_args);
     Py_XDECREF(kwargs);
     return result;
+}
+
+/* ---------------------------------------------------------------- to and from Python */
+
+static PyObject *
+location_to_python(const NnsLocation *loc)
+{
+    if (!loc->has_line) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(iiii)", loc->line, loc->end_line, loc->col, loc->end_col);
+}
+
+static PyObject *
+handler_to_python(const NnsHandler *handler)
+{
+    if (handler->target < 0) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(iii)", handler->target, handler->depth, handler->lasti);
+}
+
+PyObject *
+bytecode_list_to_python(const NnsInstrList *list)
+{
+    PyObject *result = PyList_New(list->n);
+    if (result == NULL) {
+        return NULL;
+    }
+    for (int k = 0; k < list->n; k++) {
+        const NnsInstr *instr = &list->items[k];
+        PyObject *item = Py_BuildValue("(iiiiNN)", instr->opcode, instr->oparg, instr->target,
+                                       instr->flags, location_to_python(&instr->loc),
+                                       handler_to_python(&instr->handler));
+        if (item == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, k, item);
+    }
+    return result;
+}
+
+int
+bytecode_list_from_python(PyCodeObject *code, PyObject *seq, NnsInstrList *out)
+{
+    PyObject *items = PySequence_Fast(seq, "instructions must be a sequence");
+    if (items == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    if (n > INT_MAX / 4) {
+        Py_DECREF(items);
+        return bytecode_code_error(code, PyExc_ValueError, "too many instructions");
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, k);
+        PyObject *loc = NULL, *handler = NULL;
+        NnsInstr instr = {.loc = {0, 0, 0, -1, -1}, .handler = {-1, 0, 0}};
+        if (!PyTuple_Check(item)
+            || !PyArg_ParseTuple(item, "iiiiOO", &instr.opcode, &instr.oparg, &instr.target,
+                                 &instr.flags, &loc, &handler)) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "an instruction must be a tuple");
+            }
+            goto error;
+        }
+        if (instr.opcode < 0 || instr.opcode > 255 || instr.oparg < 0
+            || instr.target < -1 || instr.target >= n) {
+            bytecode_code_error(code, PyExc_ValueError, "instruction %zd is out of range", k);
+            goto error;
+        }
+        int unconditional;
+        if ((nns_opcode_jump_kind(instr.opcode, &unconditional) != 0) != (instr.target >= 0)) {
+            bytecode_code_error(code, PyExc_ValueError,
+                                "instruction %zd: a jump needs a target, nothing else has one",
+                                k);
+            goto error;
+        }
+        if (loc != Py_None) {
+            instr.loc.has_line = 1;
+            if (!PyArg_ParseTuple(loc, "iiii", &instr.loc.line, &instr.loc.end_line,
+                                  &instr.loc.col, &instr.loc.end_col)) {
+                goto error;
+            }
+        }
+        if (handler != Py_None) {
+            if (!PyArg_ParseTuple(handler, "iii", &instr.handler.target, &instr.handler.depth,
+                                  &instr.handler.lasti)) {
+                goto error;
+            }
+            if (instr.handler.target < 0 || instr.handler.target >= n
+                || instr.handler.depth < 0 || (instr.handler.lasti & ~1) != 0) {
+                bytecode_code_error(code, PyExc_ValueError,
+                                    "instruction %zd has a handler outside the code", k);
+                goto error;
+            }
+        }
+        if (bytecode_list_append(out, &instr) < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(items);
+    return 0;
+
+error:
+    Py_DECREF(items);
+    bytecode_list_clear(out);
+    return -1;
 }
 
 PyObject *

@@ -97,6 +97,23 @@ int bytecode_resolve_jumps(const NnsInstrList *list, int index);
  * the object protocol, and the allocations can start the GC. */
 PyObject *bytecode_assemble(PyCodeObject *code, const NnsInstrList *list, PyObject *consts);
 
+/* bytecode_assemble() with `extra` (a dict, borrowed, may be NULL) passed to
+ * code.replace() too: other fields of the new code object (co_varnames,
+ * co_argcount, co_name...), for code built from pieces of another (the branch
+ * functions of capture/branches.py). */
+PyObject *bytecode_assemble_with(PyCodeObject *code, const NnsInstrList *list,
+                                 PyObject *consts, PyObject *extra);
+
+/* The list as a Python list of tuples
+ *     (opcode, oparg, target, flags, location, handler)
+ * location: (line, end_line, col, end_col) or None; handler: (target, depth, lasti)
+ * or None; targets are instruction indices or -1.  New reference. */
+PyObject *bytecode_list_to_python(const NnsInstrList *list);
+
+/* The inverse: fill `out` (empty) from such a sequence, checking that every target
+ * and handler names an instruction of it; ValueError naming `code` otherwise. */
+int bytecode_list_from_python(PyCodeObject *code, PyObject *seq, NnsInstrList *out);
+
 /* Decode and re-assemble `code` unchanged: a check of this layer (tests compare the
  * result's co_code, positions, exception table and stack size with the original). */
 PyObject *bytecode_roundtrip(PyCodeObject *code);

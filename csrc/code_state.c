@@ -11,6 +11,8 @@ code_state_free(void *ptr)
         return;
     }
     Py_CLEAR(cs->rewritten);
+    Py_CLEAR(cs->capture_code[0]);
+    Py_CLEAR(cs->capture_code[1]);
     cache_tables_clear(&cs->tables);
     PyMem_Free(cs);
 }

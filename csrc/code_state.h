@@ -18,12 +18,17 @@ enum {
                               * (code_state_learn_forward) */
     CS_PLAIN = 1 << 2,       /* decided: neither a forward nor rewritten, so its frames
                               * run as they are unless the code is a region's target */
+    CS_CAPTURE_CODE = 1 << 3,   /* written for a capture (capture_code.h): never replaced */
 };
 
 typedef struct CodeState {
     unsigned flags;
     int n_sites;              /* rewritten self.training sites */
     PyObject *rewritten;      /* owned: code to run in place of this one, or NULL */
+    /* owned: what its frames run while a capture records, per mode (capture_code.h:
+     * [0] the capture flavour, [1] the checked one), or NULL; decided once each */
+    PyObject *capture_code[2];
+    unsigned char capture_known[2];
     /* one CacheTable per capture config, found by config in O(1); a table finds
      * the bucket of an owner (`self`, or the function object of a compiled
      * function) in O(1) (guards/cache_table.h) */

@@ -22,6 +22,7 @@
 #include "code_state.h"
 #include "frame_record.h"
 #include "dispatch.h"
+#include "capture_code.h"
 #include "nns_globals.h"
 
 static PyObject *nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag);
@@ -70,6 +71,22 @@ eval_frame_armed(PyThreadState *ts, NnsFrame *frame, PyObject *config, PyObject 
         }
         if (config == NULL) {
             return frame_run_default(ts, frame, throw_flag);
+        }
+    }
+    if (capture_code_active() && config == nns_globals.rewrite_mode &&
+        !(cs->flags & CS_CAPTURE_CODE) && !nns_frame_is_generator(frame) &&
+        !nns_thread_in_trace_callback(ts)) {
+        /* A capture records: the user's code with its `if`s hooked (capture_code.h). */
+        PyObject *alt = NULL;   /* borrowed from cs */
+        ArmSaved quiet;   /* the decision is our own Python: not intercepted */
+        arm_push(&quiet, NULL, NULL);
+        int decided = capture_code_for(frame, code, cs, &alt);
+        arm_pop(&quiet);
+        if (decided < 0) {
+            return NULL;
+        }
+        if (alt != NULL) {
+            return frame_run_code(ts, frame, alt, throw_flag);
         }
     }
     if ((cs->flags & CS_SKIP) || nns_frame_is_generator(frame) ||
@@ -125,7 +142,8 @@ eval_frame_slow(PyThreadState *ts, NnsFrame *frame, int throw_flag)
         PyCodeObject *code = nns_frame_code(frame);
         assert(code == nns_frame_code_inline(frame));
         CodeState *cs = code_state_peek(code);
-        if (cs != NULL && code_state_passes(cs, (PyObject *)code, target)) {
+        if (cs != NULL && code_state_passes(cs, (PyObject *)code, target) &&
+            !capture_code_wanted(cs)) {
             return nns_eval_frame_passthrough(ts, frame, throw_flag);
         }
     }
@@ -153,7 +171,7 @@ static PyObject *
 nns_eval_frame(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 {
     PyObject *config, *target;   /* borrowed: the hot slot's */
-    if (frame_record_threads == 0 && !throw_flag &&
+    if (frame_record_threads == 0 && capture_code_threads == 0 && !throw_flag &&
         arm_resolve_hot(ts, &config, &target)) {
         PyCodeObject *code = nns_frame_code_inline(frame);
         CodeState *cs = code_state_peek_direct(code);

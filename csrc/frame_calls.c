@@ -99,11 +99,17 @@ function_with_code(PyObject *func, PyObject *code)
 PyObject *
 frame_run_rewritten(PyThreadState *ts, NnsFrame *frame, CodeState *cs, int throw_flag)
 {
+    return frame_run_code(ts, frame, cs->rewritten, throw_flag);
+}
+
+PyObject *
+frame_run_code(PyThreadState *ts, NnsFrame *frame, PyObject *code, int throw_flag)
+{
     PyObject *func = nns_frame_function(frame);
     if (func == NULL || !PyFunction_Check(func)) {
         return frame_run_default(ts, frame, throw_flag);
     }
-    PyObject *fn = function_with_code(func, cs->rewritten);
+    PyObject *fn = function_with_code(func, code);
     if (fn == NULL) {
         if (nns_report_internal_error("running rewritten code") < 0) {
             return NULL;

@@ -31,6 +31,11 @@ frame_run_default(PyThreadState *ts, NnsFrame *frame, int throw_flag)
 PyObject *frame_run_rewritten(PyThreadState *ts, NnsFrame *frame, CodeState *cs,
                               int throw_flag);
 
+/* Runs `code` (borrowed; same parameters, cells and free variables as the frame's
+ * own code) in place of the frame's code, as frame_run_rewritten does.  New
+ * reference, NULL on error.  Runs Python (the frame). */
+PyObject *frame_run_code(PyThreadState *ts, NnsFrame *frame, PyObject *code, int throw_flag);
+
 /* Evaluate the frame (its rewritten code if any) with the current region: used by
  * dispatch.c to run a target eagerly, the hook still armed so that the forwards it
  * calls are intercepted.  New reference, NULL on error.  Runs Python (the frame). */

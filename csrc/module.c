@@ -3,6 +3,7 @@
  * The module is initialised in multi-phase form (PEP 489) but refuses a second
  * interpreter: the PEP 523 hook reaches its state through nns_globals. */
 #include "bytecode.h"
+#include "capture_code.h"
 #include "cache.h"
 #include "cache_table.h"
 #include "code_state.h"
@@ -181,6 +182,52 @@ bytecode_roundtrip_py(PyObject *Py_UNUSED(module), PyObject *code)
     return bytecode_roundtrip((PyCodeObject *)code);
 }
 
+PyDoc_STRVAR(code_instructions_doc,
+"code_instructions(code) -> list\n\n"
+"`code` decoded as the bytecode rewrite sees it: one tuple per instruction,\n"
+"(opcode, oparg, target, flags, location, handler), EXTENDED_ARG folded in, caches\n"
+"dropped, jump targets and handlers as instruction indices (csrc/bytecode.h).");
+
+static PyObject *
+code_instructions(PyObject *Py_UNUSED(module), PyObject *code)
+{
+    if (!PyCode_Check(code)) {
+        PyErr_SetString(PyExc_TypeError, "code_instructions(code): expected a code object");
+        return NULL;
+    }
+    NnsInstrList list = {NULL, 0, 0};
+    if (bytecode_decode((PyCodeObject *)code, &list) < 0) {
+        return NULL;
+    }
+    PyObject *result = bytecode_list_to_python(&list);
+    bytecode_list_clear(&list);
+    return result;
+}
+
+PyDoc_STRVAR(assemble_code_doc,
+"assemble_code(code, instructions, replace) -> code\n\n"
+"A new code object: `code` with its bytecode, location and exception tables and\n"
+"stack size made from `instructions` (tuples as code_instructions gives them) and\n"
+"the fields in the dict `replace` passed to code.replace() as well.");
+
+static PyObject *
+assemble_code(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyCode_Check(args[0]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "assemble_code(code, instructions, replace): a code object, a "
+                        "sequence and a dict");
+        return NULL;
+    }
+    NnsInstrList list = {NULL, 0, 0};
+    if (bytecode_list_from_python((PyCodeObject *)args[0], args[1], &list) < 0) {
+        return NULL;
+    }
+    PyObject *result = bytecode_assemble_with((PyCodeObject *)args[0], &list, NULL, args[2]);
+    bytecode_list_clear(&list);
+    return result;
+}
+
 static PyObject *
 py_code_state(PyObject *Py_UNUSED(module), PyObject *code)
 {
@@ -219,6 +266,17 @@ py_decide(PyObject *module, PyObject *code)
         return NULL;
     }
     return py_code_state(module, code);
+}
+
+static PyObject *
+py_set_capture_code(PyObject *Py_UNUSED(module), PyObject *fn)
+{
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_capture_code(fn): fn must be callable");
+        return NULL;
+    }
+    set_global(&nns_globals.capture_code, fn);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -307,9 +365,21 @@ static PyMethodDef module_methods[] = {
      "set_hooked_call(registries, _wrapped_call_impl, _call_impl, get_tracing_state)."},
     {"rewrite_code", (PyCFunction)(void (*)(void))rewrite_code, METH_FASTCALL, rewrite_code_doc},
     {"_bytecode_roundtrip", bytecode_roundtrip_py, METH_O, bytecode_roundtrip_doc},
+    {"code_instructions", code_instructions, METH_O, code_instructions_doc},
+    {"assemble_code", (PyCFunction)(void (*)(void))assemble_code, METH_FASTCALL,
+     assemble_code_doc},
     {"code_state", py_code_state, METH_O, code_state_doc},
     {"decide", py_decide, METH_O, decide_doc},
     {"mark_skip", py_mark_skip, METH_O, "mark_skip(code): never intercept `code`."},
+    {"mark_capture_code", capture_code_mark, METH_O,
+     "mark_capture_code(code): code written for a capture, never replaced itself."},
+    {"capture_code_mode", capture_code_set_mode, METH_O,
+     "capture_code_mode(mode) -> previous: what frames of user code started on this\n"
+     "thread run while it is armed for rewriting: 0 their code, 1 its capture flavour,\n"
+     "2 its checked flavour (csrc/capture_code.h)."},
+    {"set_capture_code", py_set_capture_code, METH_O,
+     "set_capture_code(fn): fn(function, code, checked) -> code or None decides what\n"
+     "frames run in capture_code_mode 1 and 2."},
     {"clear_cache", py_clear_cache, METH_O, "clear_cache(code): drop the cache entries of `code`."},
     {"eval_frame_installed", py_eval_frame_installed, METH_NOARGS,
      "True while this project's evaluator is installed."},

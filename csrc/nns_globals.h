@@ -15,6 +15,7 @@ typedef struct {
     Py_ssize_t code_extra_index;   /* from _PyEval_RequestCodeExtraIndex, -1 before init */
     PyObject *ifexpr;              /* nnscaler.runtime.function.ifexpr */
     PyObject *convert_frame;       /* nnscaler_eval.convert_frame.convert_frame */
+    PyObject *capture_code;        /* nnscaler_eval.capture.branches.capture_code, or NULL */
     PyObject *rewrite_mode;        /* the config object that means "rewrite only" */
     PyObject *run_eagerly;         /* sentinel convert_frame returns: evaluate the frame */
     PyObject *run_disarmed;        /* ... evaluate it with callees not intercepted either */

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nnscaler_eval import _C
+from nnscaler_eval.capture.branches import capture_code
 from nnscaler_eval.convert_frame import convert_frame
 from nnscaler_eval.runtime import ifexpr
 from nnscaler_eval.shared_objects import (
@@ -31,6 +32,7 @@ def install() -> None:
         torch._C._len_torch_function_stack,
         torch._C._pop_torch_function_stack,
     )
+    _C.set_capture_code(capture_code)
     _C.set_hooked_call(
         torch.nn.modules.module,
         torch.nn.Module.__dict__["_wrapped_call_impl"],

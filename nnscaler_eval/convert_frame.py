@@ -75,6 +75,9 @@ class EntryInfo:
     per_size: Optional[str] = None
     # the subgraphs the backend compiled once for repeated blocks (block_reuse.SharedBlock)
     shared_blocks: list = field(default_factory=list)
+    # `if` statements on tensors the capture met: converted to torch.cond, or why not
+    # (capture/branches.py, BranchNote)
+    branches: list = field(default_factory=list)
 
     @property
     def graph_code(self) -> str:
@@ -693,7 +696,8 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
         if runner_code is not None:
             _C.mark_skip(runner_code)
         if logs.graph.isEnabledFor(10):
-            logs.graph.debug("captured %s:\n%s", where, capture.graph_module.code)
+            notes = "".join(f"\n  {note}" for note in capture.branch_notes)
+            logs.graph.debug("captured %s:%s\n%s", where, notes, capture.graph_module.code)
     # A fallback entry runs the frame eagerly, which is right whatever the state: it
     # needs no value guards (with them, an argument whose state changes every call,
     # such as a KV cache, would retry the capture on every call).
@@ -706,6 +710,7 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
                      config.backend_name, runner, guards.not_guarded,
                      reads.global_state[0] if reads is not None else None,
                      capture.runner_spec.state_writes if capture.runner_spec is not None else ())
+    info.branches = list(getattr(capture, "branch_notes", ()))
     if capture.runner_spec is not None:
         info.object_writes = describe_writes(capture.runner_spec.output.writes,
                                              capture.slot_names)

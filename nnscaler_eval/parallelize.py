@@ -19,8 +19,14 @@ the form nnScaler's parser (`FxModuleParser.parse`) consumes:
 - buffers keep their persistence (`_non_persistent_buffers_set` of their module);
 - every node carries nnScaler's metadata: `tensor_meta`, `type`, `op_context` (grad
   mode and autocast state while the node ran) and `frame_record` (the user's line);
-- `torch.cond`, ops registered with nnscaler-eval only, and other forms nnScaler cannot
-  express raise `ExportError` naming the construct and the user's `file:line`.
+- an `if` on a tensor the capture turned into `torch.cond` (capture/branches.py)
+  becomes, when neither side calls anything (the seed's rule for conditional
+  expressions: no calls, no side effects), both sides' ops inline and one
+  `ifexpr(test, true_value, false_value)` per value the `if` produces (both sides
+  are then evaluated, as nnScaler's ifexpr always does);
+- `torch.cond` otherwise, ops registered with nnscaler-eval only, and other forms
+  nnScaler cannot express raise `ExportError` naming the construct and the user's
+  `file:line`.
 
 Metadata comes from running the rewritten graph once more (an fx Interpreter). Module
 buffers and the RNG state are restored after the capture and that run: unlike
@@ -171,6 +177,7 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
     env = _Env(graph)
     attrs: dict[str, Any] = {}
     flags = iter(result.training_inputs)
+    inlined = {node for node in source.graph.nodes if _as_ifexprs(node)}
     for old in source.graph.nodes:
         if old.op == "placeholder":
             info = old.meta.get("nnscaler_input", 0)
@@ -201,6 +208,15 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
             output = _output(result, flat, env, param_nodes)
             graph.output(output)
             continue
+        if old.op == "get_attr" and old.users and all(u in inlined for u in old.users):
+            continue   # a branch graph of an `if` written as ifexprs
+        if old in inlined:
+            env[old] = _inline_ifexprs(graph, old, source, env, nnscaler_ifexpr)
+            continue
+        if (old.op == "call_function" and old.target is operator.getitem
+                and old.args[0] in inlined):
+            env[old] = env[old.args[0]][old.args[1]]
+            continue
         new = graph.node_copy(old, lambda n: env[n])
         env[old] = new
         if new.op == "get_attr":
@@ -229,6 +245,50 @@ def _nnscaler_graph(result: Capture, bound: inspect.BoundArguments,
                       "for `if` statements); write `a if self.training else b` to keep both",
                       stacklevel=4)
     return gm
+
+
+def _as_ifexprs(node: fx.Node) -> bool:
+    """A torch.cond node made from an `if` whose sides call nothing (capture/branches.py
+    records that): nnScaler's ifexpr can hold it."""
+    info = node.meta.get("nnscaler_if")
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.cond
+            and isinstance(info, dict) and bool(info.get("ifexpr_ok")))
+
+
+def _inline_ifexprs(graph: fx.Graph, node: fx.Node, source: fx.GraphModule,
+                    env: dict[fx.Node, Any], nnscaler_ifexpr: Any) -> tuple[fx.Node, ...]:
+    """Both branch graphs of `node` copied into `graph` on its operands, and one
+    `ifexpr(test, true_i, false_i)` per output."""
+    pred, true_attr, false_attr, operands = node.args
+    sides = []
+    for attr in (true_attr, false_attr):
+        branch = getattr(source, str(attr.target))   # type: ignore[union-attr]
+        inputs = [n for n in branch.graph.nodes if n.op == "placeholder"]
+        values: dict[fx.Node, Any] = {p: env[o] for p, o in zip(inputs, operands)}  # type: ignore[arg-type]
+        out: Any = None
+        for inner in branch.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                out = fx.node.map_arg(inner.args[0], values.__getitem__)
+                continue
+            if inner.op == "get_attr":
+                raise ExportError(f"export_for_nnscaler: the `if` at {_where(node)} reads "
+                                  f"{inner.target} inside a side, which nnScaler's ifexpr "
+                                  "cannot hold")
+            copied = graph.node_copy(inner, values.__getitem__)
+            copied.meta = dict(inner.meta)
+            _retarget(copied, nnscaler_ifexpr)
+            values[inner] = copied
+        sides.append(tuple(out))
+    test = env[pred]   # type: ignore[index]
+    results = []
+    for true_value, false_value in zip(*sides):
+        choice = graph.call_function(nnscaler_ifexpr, (test, true_value, false_value))
+        choice.meta = {k: v for k, v in node.meta.items()
+                       if k in ("source_loc", "stack_trace", "nnscaler_source")}
+        results.append(choice)
+    return tuple(results)
 
 
 # Nodes that only read a value (an item of an op's outputs, a shape, Python's operators
@@ -312,6 +372,15 @@ def _retarget(node: fx.Node, nnscaler_ifexpr: Any) -> None:
         return
     if isinstance(target, torch._ops.HigherOrderOperator):
         construct = "torch.cond" if target is torch.ops.higher_order.cond else str(target)
+        info = node.meta.get("nnscaler_if")
+        if isinstance(info, dict):
+            construct = ("an `if` on a tensor (captured as torch.cond; a side calls "
+                         "something, so it is not an ifexpr)")
+        loop = node.meta.get("nnscaler_while")
+        if isinstance(loop, dict):
+            construct = ("a `while` loop on a tensor (captured as while_loop; nnScaler's "
+                         "graph has no loops)" if loop.get("converted_from") == "bytecode"
+                         else "torch while_loop (nnScaler's graph has no loops)")
         raise ExportError(f"export_for_nnscaler: {construct} at {_where(node)} cannot be "
                           "expressed in nnScaler's graph (it has no conditional op); use "
                           "`a if self.training else b` or a registered op")

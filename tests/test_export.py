@@ -140,16 +140,31 @@ def test_output_structure_is_kept():
 def test_data_dependent_forward_raises_a_clear_error():
     class DataDependent(nn.Module):
         def forward(self, x):
-            if x.sum() > 0:  # <data>
+            if x.sum().item() > 0:  # <data>
                 return x * 2
             return x
 
     with pytest.raises(nnscaler.ExportError) as info:
         nnscaler.export(DataDependent(), torch.ones(3))
     message = str(info.value)
-    assert "DataDependent.forward" in message and "data-dependent control flow" in message
+    assert "DataDependent.forward" in message and "data-dependent value" in message
     assert f"{THIS_FILE}:{line_of('data')}" in message
     assert info.value.fallback.lineno == line_of("data")
+
+
+def test_an_if_on_a_tensor_is_exported_as_one_cond_node():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # <if>
+                x = x * 2
+            return x + 1
+
+    from nnscaler_eval.export import export as export_own_form   # torch.cond kept
+    gm = export_own_form(Branchy(), torch.ones(3))
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert node.meta["source_loc"] == f"{THIS_FILE}:{line_of('if')}"
+    for x in (torch.ones(3), -torch.ones(3)):
+        torch.testing.assert_close(gm(x), Branchy()(x))
 
 
 def test_export_with_torch_cond():

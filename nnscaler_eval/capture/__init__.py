@@ -45,6 +45,10 @@ The parts, one concern a module; the Tracer composes the others, none imports it
 - training.py      training flags and module state: flags per module, branches taken,
                    state snapshots, numbers computed from flags
 - cond.py          torch.cond: both branches traced on fake tensors into subgraphs
+- branches.py      `if` and `while` on tensors from the bytecode: torch.cond and
+                   while_loop nodes, the side or loop run for real, bound at the join
+- checked.py       what a side or loop body traced on fakes may do (side-effect screens)
+- loops.py         while_loop nodes: the graphs, carried-value checks, explicit while_loop
 - dynamic.py       symbolic sizes and ints: which, the fake arguments, expressions
                    as nodes, the shape-guard program
 - global_state.py  grad mode and autocast, synced into the graph before each node

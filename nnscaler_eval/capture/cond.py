@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -79,6 +79,11 @@ class BranchTrace:
     out_spec: pytree.TreeSpec
     out_meta: list[tuple[Any, ...]]
     entry_grad_mode: bool
+    # With `constants=True` (an `if` converted from bytecode, capture/branches.py): the
+    # non-tensor leaves of the output by leaf position, and which leaves are tensors
+    # (the graph outputs, in order).
+    constants: dict[int, Any] = field(default_factory=dict)
+    tensor_leaves: list[int] = field(default_factory=list)
 
     def finish(self, operands: int, lifted: list[fx.Node], class_name: str) -> fx.GraphModule:
         """The branch as a GraphModule taking (*operands, *lifted), in that order, and
@@ -283,8 +288,13 @@ def _trace_branch(
     in_spec: pytree.TreeSpec,
     fake_mode: FakeTensorMode,
     where: tuple[str, int],
+    constants: bool = False,
+    name: Optional[str] = None,
 ) -> BranchTrace:
-    """Record `fn(*operands)` into a graph of its own, on fake operands."""
+    """Record `fn(*operands)` into a graph of its own, on fake operands.
+
+    `constants`: a non-tensor leaf of the output is kept as a constant of the branch
+    (BranchTrace.constants) instead of refused."""
     frame = BranchFrame(fx.Graph(), tracer.graph, tracer.branch)
     saved = (tracer.graph, tracer.branch, tracer.fake_mode, tracer.global_state)
     entry_grad_mode = tracer.global_state.graph_grad_mode
@@ -294,6 +304,7 @@ def _trace_branch(
     names = _parameter_names(fn, len(leaves)) if flat_operands else None
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_no_saved_tensor_hooks())
             if saved[2] is None:
                 stack.enter_context(fake_mode)
             with torch._C.DisableTorchFunction():
@@ -301,13 +312,20 @@ def _trace_branch(
             for i, fake in enumerate(fakes):
                 tracer.nodes.map(fake, frame.add_input(names[i] if names else f"arg{i}"))
             out = fn(*pytree.tree_unflatten(fakes, in_spec))
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            for leaf in out_leaves:
-                if not isinstance(leaf, torch.Tensor):
+            all_leaves, out_spec = pytree.tree_flatten(out)
+            kept: dict[int, Any] = {}
+            tensor_leaves: list[int] = []
+            for i, leaf in enumerate(all_leaves):
+                if isinstance(leaf, torch.Tensor):
+                    tensor_leaves.append(i)
+                elif constants:
+                    kept[i] = leaf
+                else:
                     tracer.graph_break(
                         f"the branch returns a {type(leaf).__name__}; "
                         "only tensors are captured"
                     )
+            out_leaves = [all_leaves[i] for i in tensor_leaves]
             out_nodes = [tracer.graph_arg(leaf) for leaf in out_leaves]
             tracer.sync_global_state()
             if tracer.global_state.open_autocast:
@@ -322,7 +340,12 @@ def _trace_branch(
             Fallback(f"torch.cond: the {which} branch could not be recorded", *where)
         ) from None
     except Exception as exc:  # the branch cannot run on fake tensors
-        name = getattr(fn, "__qualname__", None) or repr(fn)
+        import os
+        import traceback
+        if os.environ.get("NNS_DEBUG_COND"):
+            t = traceback.format_exception(exc)
+            print("".join(t[:40]), "...", "".join(t[-20:]))
+        name = name or getattr(fn, "__qualname__", None) or repr(fn)
         raise CondNotCapturable(
             Fallback(
                 f"torch.cond: the {which} branch {name} cannot be traced "
@@ -332,7 +355,28 @@ def _trace_branch(
         ) from exc
     finally:
         tracer.graph, tracer.branch, tracer.fake_mode, tracer.global_state = saved
-    return BranchTrace(frame, out_spec, out_meta, entry_grad_mode)
+    return BranchTrace(frame, out_spec, out_meta, entry_grad_mode, kept, tensor_leaves)
+
+
+@contextlib.contextmanager
+def _no_saved_tensor_hooks() -> Any:
+    """A branch is traced on fake tensors: the saved-tensor hooks of the run around it
+    (activation checkpointing counts what the forward saves, and compares the count
+    when it recomputes) must not see what the trace saves.  They are taken off the
+    stack for the trace and put back after, in order."""
+    autograd = torch._C._autograd
+    hooks = []
+    while True:
+        top = autograd._top_saved_tensors_default_hooks(True)
+        if top is None:
+            break
+        hooks.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _branch_attr(tracer: Any, name: str, gm: fx.GraphModule) -> fx.Node:

@@ -185,6 +185,7 @@ def make_capture(
     read_metadata: bool,
     metadata_tensors: list[torch.Tensor],
     unproven_constants: list[torch.Tensor] = (),   # type: ignore[assignment]
+    branch_notes: list[Any] = (),   # type: ignore[assignment]
 ) -> Capture:
     """The Capture of a finished trace: with a GraphModule and a runner spec unless it
     fell back (or its output could not be laid out)."""
@@ -235,6 +236,7 @@ def make_capture(
         unproven_constants=list(unproven_constants) if graph_module is not None else [],
         state_writes=[tuple(w) for w in modules.writes.values()]   # type: ignore[misc]
         if graph_module is not None else [],
+        branch_notes=list(branch_notes),
     )
 
 

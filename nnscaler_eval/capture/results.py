@@ -112,6 +112,9 @@ class Capture:
     # `meta["nnscaler_calls"]` of the nodes made in them (runners/block_reuse.py).
     inline_calls: list[tuple[Optional[str], type, Any]] = field(default_factory=list,
                                                                 repr=False)
+    # `if` statements on tensors the trace met: converted to torch.cond, or why not
+    # (capture/branches.py, BranchNote)
+    branch_notes: list[Any] = field(default_factory=list)
 
     @contextlib.contextmanager
     def state_before_writes(self) -> Iterator[None]:

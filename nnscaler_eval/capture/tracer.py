@@ -29,6 +29,7 @@ from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals
+from nnscaler_eval.capture.branches import BranchState
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
 from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
 from nnscaler_eval.capture import dynamic as symbolic_shapes
@@ -170,6 +171,9 @@ class Tracer(TorchFunctionMode):
         self.fake_mode: Optional[FakeTensorMode] = symbolic.fake_mode if symbolic else None
         self.branch_names = itertools.count()
         self._suspended = 0
+        # `if` statements on tensors, converted to torch.cond (capture/branches.py)
+        self.branches = BranchState(self)
+        self._code_mode: Optional[int] = None   # capture_code_mode before run()
 
         self.nodes = NodeMap(self.root_graph, root)
         self.modules = TrackedModules(self)
@@ -235,11 +239,13 @@ class Tracer(TorchFunctionMode):
         hidden = self.modules.hide(modules)
         # Code run for real here shapes no graph: the functions it runs are not
         # recorded for value guards (a hook appending to a list would otherwise be
-        # guarded and recapture on every call).
+        # guarded and recapture on every call), and runs as it is written.
         paused = _C.record_functions_pause()
+        code_mode = _C.capture_code_mode(0)
         try:
             yield
         finally:
+            _C.capture_code_mode(code_mode)
             _C.record_functions_resume(paused)
             if self.fallback is None:
                 self.modules.unhide(hidden)
@@ -267,6 +273,8 @@ class Tracer(TorchFunctionMode):
             deferral.start()
             set_current_tracer(self)
             trace_patches.install(self)
+            # Frames of user code run with their `if`s hooked (capture/branches.py).
+            self._code_mode = _C.capture_code_mode(1)
             self._prepare()
             # `with self:`, except that leaving pops down to the entry depth: an
             # interrupt inside `_pop_mode_temporarily` can leave our mode popped
@@ -283,6 +291,7 @@ class Tracer(TorchFunctionMode):
             finally:
                 _pop_modes_to(mode_depth)
                 _pop_dispatch_modes_to(dispatch_depth)
+            self.branches.finish()
             self._check_module_state()
             layout = self._record_output(result) if self.fallback is None else None
             self._leave(previous, mode_depth, dispatch_depth)
@@ -303,6 +312,9 @@ class Tracer(TorchFunctionMode):
         if self.python_values is not None:
             self.python_values.restore()
         self.modules.restore_training()
+        if self._code_mode is not None:
+            _C.capture_code_mode(self._code_mode)
+            self._code_mode = None
         trace_patches.uninstall(self)
         # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
         _pop_modes_to(mode_depth)
@@ -567,10 +579,9 @@ class Tracer(TorchFunctionMode):
         if getattr(number, "data_dependent", False) and self.python_values is None:
             # (A value-keeping export takes this run's value, as nnScaler's concrete
             # trace does: the graph holds the path taken.)
-            self.graph_break(
+            self.graph_break(getattr(number, "why", None) or (
                 "data-dependent value: a Python number computed from tensors "
-                "by an opaque op was used in Python"
-            )
+                "by an opaque op was used in Python"))
             return
         for module in number.deps:
             self.modules.note_branch(module, self.modules.flag_value(module))
@@ -834,6 +845,9 @@ class Tracer(TorchFunctionMode):
         if (target in calls.SHAPE_QUERIES or target is torch.numel) and self.nodes.dynamic_shape:
             why = self.nodes.dynamic_among(args)
             if why is not None:
+                count = self._data_dependent_count(func, kind, target, args, kwargs, why)
+                if count is not None:
+                    return count
                 self.graph_break(f"data-dependent shape: {qualname(func)} of a tensor whose "
                                  f"shape depends on tensor values ({why})")
                 return func(*quiet_plain(args), **quiet_plain(kwargs))
@@ -878,6 +892,53 @@ class Tracer(TorchFunctionMode):
             return self._record_call(func, kind, target, args, kwargs, result, dynamic)
         except RecordingAborted:
             return result
+
+    def _data_dependent_count(self, func: Any, kind: str, target: Any, args: tuple[Any, ...],
+                              kwargs: dict[str, Any], why: str) -> Optional[Any]:
+        """`x.numel()` or `x.size(d)` of a tensor whose shape came from data, as a
+        number the graph computes on every call (a node), in a static capture: Python
+        may compare it (the comparison is a node too, tracked_values) and branch on
+        that (an `if` converted to torch.cond, capture/branches.py); any other use of
+        its value is a graph break, as before.  None: not such a query."""
+        if self.symbolic is not None or self.branch is not None or self.python_values is not None:
+            return None
+        counting = (func is torch.numel or (kind == "method" and target in ("numel", "nelement"))
+                    or (kind == "method" and target == "size" and len(args) == 2
+                        and not kwargs and isinstance(args[1], int)))
+        if not counting:
+            return None
+        value = func(*quiet_plain(args), **quiet_plain(kwargs))
+        if not isinstance(value, int):
+            return None
+        try:
+            node_args = self.graph_arg(args)
+            if kind == "method":
+                node = self.create_node("call_method", target, node_args, {})
+            else:
+                node = self.create_node("call_function", func, node_args, {})
+        except RecordingAborted:
+            return None
+        number = tracked(value, node, (), self)
+        number.data_dependent = True  # type: ignore[attr-defined]
+        number.why = (f"data-dependent shape: {qualname(func)} of a tensor whose shape "  # type: ignore[attr-defined]
+                      f"depends on tensor values ({why}) was used in Python")
+        return number
+
+    def number_operator(self, function: Callable[..., Any], operands: tuple[Any, ...]) -> Any:
+        """A Python operator on a data-dependent number (`n > 0` of a count above):
+        a node, and a data-dependent number of its result (tracked_values)."""
+        plain = function(*[quiet_plain(o) for o in operands])
+        if not isinstance(plain, (int, float)) or not self.recording:
+            return plain
+        try:
+            node = self.create_node("call_function", function, self.graph_arg(operands), {})
+        except RecordingAborted:
+            return plain
+        number = tracked(plain, node, (), self)
+        number.data_dependent = True  # type: ignore[attr-defined]
+        first = next(o for o in operands if isinstance(o, _TrackedNumber))
+        number.why = getattr(first, "why", None)  # type: ignore[attr-defined]
+        return number
 
     def _record_call(
         self,
@@ -1127,6 +1188,7 @@ class Tracer(TorchFunctionMode):
             read_metadata=self.read_metadata,
             metadata_tensors=list(self.metadata_tensors.values()),
             unproven_constants=list(self.unproven_constants.values()),
+            branch_notes=list(self.branches.notes),
         )
         capture.inline_calls = self.inline_calls
         self.metadata_tensors = {}

@@ -255,8 +255,19 @@ _AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 _filename_lock = threading.RLock()
 
 _COND = torch.ops.higher_order.cond
+_WHILE = torch.ops.higher_order.while_loop
 # Calls whose first argument is not evaluated first, or that are statements.
-_NOT_INLINED_INTO = frozenset({ifexpr, _COND, operator.setitem, setattr})
+_NOT_INLINED_INTO = frozenset({ifexpr, _COND, _WHILE, operator.setitem, setattr})
+
+
+def while_loop_in_python(cond_fn: Callable[..., Any], body_fn: Callable[..., Any],
+                         carried: tuple[Any, ...], additional: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What torch.ops.higher_order.while_loop computes, in plain Python: the runner's
+    way of running the node (autograd as in eager: torch's while_loop autograd gives
+    wrong gradients when the loop runs zero times, torch 2.13)."""
+    while cond_fn(*carried, *additional):
+        carried = tuple(body_fn(*carried, *additional))
+    return carried
 _MAX_INLINE_DEPTH = 8
 
 
@@ -579,9 +590,9 @@ class _RunnerWriter:
                 target = str(node.target)
                 value = self.spec.attr_values[target]
                 if isinstance(value, fx.GraphModule) and node.users and all(
-                    u.target is _COND for u in node.users
+                    u.target is _COND or u.target is _WHILE for u in node.users
                 ):
-                    # A torch.cond branch: a generated function of its own.
+                    # A torch.cond branch or while_loop graph: a generated function.
                     self.values[node] = self.bind(
                         make_branch_runner(value, f"{self.spec.name}.{target}"), target
                     )
@@ -747,6 +758,12 @@ class _RunnerWriter:
                 pred, true_fn, false_fn = (self.render(a) for a in args[:3])
                 operands = ", ".join(self.render(a) for a in args[3])
                 return f"{true_fn}({operands}) if {pred} else {false_fn}({operands})"
+            if target is _WHILE and all(a in self.values for a in args[0:2]):
+                loop = self.bind(while_loop_in_python, "while_loop_in_python")
+                cond_fn, body_fn = (self.render(a) for a in args[:2])
+                carried, additional = ("".join(self.render(a) + ", " for a in group)
+                                       for group in args[2:4])
+                return f"{loop}({cond_fn}, {body_fn}, ({carried}), ({additional}))"
         function = self.bind(target, _target_hint(target))
         if ((node.meta.get("nnscaler_opaque") and isinstance(target, types.FunctionType))
                 or _autograd_apply(target)):
@@ -885,8 +902,22 @@ def runner_source(
 
 def make_branch_runner(gm: fx.GraphModule, name: str) -> Callable[..., Any]:
     """A torch.cond branch graph (placeholders: operands, then lifted values; output:
-    a flat tuple) as a generated function `branch(*operands) -> tuple`."""
+    a flat tuple) as a generated function `branch(*operands) -> tuple`; a graph whose
+    output is one value (a while_loop's cond graph) as a function giving that value."""
     graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if not isinstance(output.args[0], (tuple, list)):
+        copy = fx.Graph()
+        value = copy.graph_copy(graph, {})
+        copy.output((value,))
+        wrapped = fx.GraphModule(gm, copy, class_name=type(gm).__name__)
+        wrapped.meta.update(gm.meta)
+        runner = make_branch_runner(wrapped, name)
+
+        def single(*args: Any) -> Any:
+            return runner(*args)[0]
+
+        return single
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     count = len(cast(tuple, output.args[0]))

@@ -113,6 +113,12 @@ class ExplainReport:
     def fallbacks(self) -> list[Any]:
         return [e.fallback for e in self.entries if e.fallback is not None]
 
+    @property
+    def branches(self) -> list[Any]:
+        """Each `if` on a tensor met: converted to torch.cond (`converted`), or the
+        reason it was not (capture/branches.py, BranchNote)."""
+        return [note for e in self.entries for note in e.branches]
+
     def __str__(self) -> str:
         lines = [f"nnscaler.explain: {len(self.graphs)} graph(s), "
                  f"{len(self.fallbacks)} fallback(s)"]
@@ -143,6 +149,9 @@ class ExplainReport:
                     lines.append("  written into the arguments on every hit (KV caches "
                                  "passed in):")
                     lines += [f"    {w}" for w in writes]
+                if entry.branches:
+                    lines.append("  `if` statements on tensors:")
+                    lines += [f"    {note}" for note in entry.branches]
                 if entry.not_guarded:
                     lines.append("  not guarded (beyond the state walk's bounds): "
                                  + ", ".join(entry.not_guarded[:8])
@@ -150,6 +159,9 @@ class ExplainReport:
             else:
                 lines.append(f"\n--- fallback {i}: {entry.where}")
                 lines.append(f"  runs eagerly: {entry.fallback}")
+                if entry.branches:
+                    lines.append("  `if` statements on tensors:")
+                    lines += [f"    {note}" for note in entry.branches]
         return "\n".join(lines)
 
 

@@ -421,6 +421,25 @@ def _cond(
     return tracer.trace_cond(cond, pred, true_fn, false_fn, operands)
 
 
+# An explicit while_loop (torch._higher_order_ops.while_loop): torch's implementation
+# hands the loop to torch.compile through _hop_compile_and_call, which must not run under
+# the tracer (Dynamo fails on the tracer's frames); the tracer makes it one node
+# (capture/loops.py).  Patched where it is looked up at each call, so that every way of
+# importing while_loop reaches it.
+_hop_utils: Any = sys.modules.get("torch._higher_order_ops.utils")
+_original_hop_compile_and_call: Any = getattr(_hop_utils, "_hop_compile_and_call", None)
+
+
+def _hop_compile_and_call(fn: Any, args: Any, kwargs: Any = None) -> Any:
+    tracer = current_tracer()
+    call = _HOP_CALL.saved if _HOP_CALL is not None else _original_hop_compile_and_call
+    if tracer is None or kwargs or getattr(fn, "__name__", "") != "_while_loop_op_wrapper" \
+            or len(args) != 4:
+        return call(fn, args, kwargs)
+    from nnscaler_eval.capture.loops import trace_while_loop
+    return trace_while_loop(tracer, call, fn, tuple(args))
+
+
 # TorchScript runs its ops in C++, out of the TorchFunctionMode's sight: a script
 # function called from traced code is one opaque node; a script method called
 # directly (not through its module's __call__) is a fallback.
@@ -497,6 +516,8 @@ _FUNCTION_APPLY = _Patch(torch.autograd.Function, "apply", classmethod(_function
 _SCRIPT_FUNCTION_CALL = _Patch(_ScriptFunction, "__call__", _script_function_call)
 _SCRIPT_METHOD_CALL = _Patch(_ScriptMethod, "__call__", _script_method_call)
 _COND: Optional[_Patch] = _Patch(torch, "cond", _cond) if _original_cond is not None else None
+_HOP_CALL: Optional[_Patch] = (_Patch(_hop_utils, "_hop_compile_and_call", _hop_compile_and_call)
+                               if _original_hop_compile_and_call is not None else None)
 _TRAINING = _Patch(nn.Module, "training", TRAINING_ATTRIBUTE)
 
 
@@ -539,6 +560,7 @@ _PATCHES: tuple[_Patch, ...] = tuple(
         _SCRIPT_FUNCTION_CALL,
         _SCRIPT_METHOD_CALL,
         _COND,
+        _HOP_CALL,
         *_TORCH_FUNCTIONS,
         *_IMPURE,
         _VF_PATCH,

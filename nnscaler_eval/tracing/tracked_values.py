@@ -175,12 +175,19 @@ def _specialising_method(base: type, name: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any) -> Any:
         if recorded is not None and isinstance(self, _TrackedNumber):
             # A tracer that keeps Python values as graph values (export for
-            # nnScaler, capture/python_values.py) records the operator instead.
+            # nnScaler, capture/python_values.py) records the operator instead; so
+            # does any tracer for a number that came from tensor data (a count of a
+            # data-dependent shape): `n > 0` stays a graph value an `if` can branch on.
             tracer = _recording_tracer(self.tracer)
             if tracer is not None and getattr(tracer, "python_values", None) is not None:
                 function, reflected = recorded
                 operands = (args[0], self) if reflected else (self, *args)
                 return tracer.python_values.operator(function, operands)
+            if tracer is not None and getattr(self, "data_dependent", False) and all(
+                    isinstance(a, (int, float)) for a in args):
+                function, reflected = recorded
+                operands = (args[0], self) if reflected else (self, *args)
+                return tracer.number_operator(function, operands)
         return base_method(self.specialise(), *[plain_value(a) for a in args])
 
     method.__name__ = name
