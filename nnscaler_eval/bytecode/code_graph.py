@@ -21,6 +21,7 @@ Everything version-specific is asked of `versions`.
 
 from __future__ import annotations
 
+import dis
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,7 +49,6 @@ class Instr:
         return Instr(opcode, arg, target, self.loc, self.handler)
 
     def __repr__(self) -> str:
-        import dis
         name = dis.opname[self.opcode]
         return f"<{name} {self.arg}{' -> ' + dis.opname[self.target.opcode] if self.target else ''}>"
 

@@ -293,7 +293,6 @@ def write(analysis: Analysis, hooks: Hooks, checked: bool,
             prefix += _refusal(item, const, hooks, "calls super()")
         elif op in OPS.refused_in_checked or (
                 op == OPS.call_intrinsic_1 and arg in INTRINSICS_REFUSED):
-            import dis
             prefix += _refusal(item, const, hooks, f"runs {dis.opname[op]} "
                                "(global state, imports or printing)")
         if not itself:

@@ -37,7 +37,12 @@ converted then.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import importlib.metadata as metadata
+import importlib.util
+import os
+import re
 import sys
 import types
 import weakref
@@ -53,6 +58,7 @@ from nnscaler_eval import _C, logs
 from nnscaler_eval.bytecode import instrument
 from nnscaler_eval.bytecode.code_graph import EXIT, Analysis, Loop, Site
 from nnscaler_eval.bytecode.instrument import UNBOUND, Hooks, Written
+from nnscaler_eval.bytecode.versions import OPS
 from nnscaler_eval.capture import checked, loops
 from nnscaler_eval.capture import cond as torch_cond
 from nnscaler_eval.capture.data_dependence import has_unbacked_size
@@ -238,10 +244,6 @@ def _user_code(function: Optional[Any], code: types.CodeType) -> bool:
 def _torch_requirements() -> tuple[str, ...]:
     """Where the packages torch's distribution requires live (their top-level modules),
     as its metadata names them."""
-    import importlib.metadata as metadata
-    import importlib.util
-    import os
-    import re
     try:
         required = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-")
                     for r in metadata.requires("torch") or () if "extra ==" not in r}
@@ -266,12 +268,10 @@ def _torch_requirements() -> tuple[str, ...]:
 
 
 def _raw(code: types.CodeType) -> Iterator[Any]:
-    import dis
     return dis.get_instructions(code)
 
 
 def _jump_ops() -> frozenset[int]:
-    from nnscaler_eval.bytecode.versions import OPS
     return OPS.bool_jumps_if_true | OPS.bool_jumps_if_false
 
 
