@@ -5,7 +5,7 @@ Per case, the same calls through ours (`nnscaler.compile`, default options) and 
 reports captures and the calls that ran eagerly (`cache_info`), Dynamo the graphs it
 made (`counters["stats"]["unique_graphs"]`) and its graph breaks.  Every output is
 compared with eager's; a case whose answers differ is marked, and so is one where
-Dynamo raises.
+Dynamo raises.  Each case runs in a fresh process.
 
     .venv/bin/python -m benchmarks.capture_counts [--cases packed_lstm,t5_generate,...]
 
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
+import subprocess
 import sys
 import warnings
 from typing import Any, Callable
@@ -131,6 +133,7 @@ def _measure(make: Callable[[], Any], run: Run, forward_only: bool) -> dict[str,
     try:
         got = run(theirs)
     except Exception as error:   # Dynamo's own failure is a figure of the row
+        print(f"Dynamo raised: {type(error).__name__}: {str(error)[:2000]}", file=sys.stderr)
         row.update(dynamo_graphs="-", dynamo_breaks="-",
                    dynamo_equal=f"raised {type(error).__name__}")
     else:
@@ -144,23 +147,36 @@ def _measure(make: Callable[[], Any], run: Run, forward_only: bool) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated names (default: all)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)   # a child: one case, JSON out
     args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()
     cases = _cases()
+    if args.one:
+        print(json.dumps(_measure(*cases[args.one])))
+        return
     names = args.cases.split(",") if args.cases else list(cases)
     unknown = sorted(set(names) - set(cases))
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(cases)}")
-    warnings.simplefilter("ignore")
-    import transformers
-    transformers.logging.set_verbosity_error()
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"Python {platform.python_version()}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}\n")
+          f"transformers {transformers.__version__}.  Each case in a fresh process.\n")
     print("| case | ours: captures | ours: calls run eagerly | Dynamo: graphs | "
           "Dynamo: graph breaks | eager's answers (ours / Dynamo) |")
     print("|---|---|---|---|---|---|")
     for name in names:
-        row = _measure(*cases[name])
+        # a fresh process per case: Dynamo's state after one case's failure must not
+        # decide the next one's
+        child = subprocess.run([sys.executable, "-m", "benchmarks.capture_counts", "--one", name],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            sys.stderr.write(child.stderr)
+            print(f"| {name} | failed (exit {child.returncode}) | | | | |", flush=True)
+            continue
+        sys.stderr.write(child.stderr)
+        row = json.loads(child.stdout.strip().splitlines()[-1])
         print(f"| {name} | {row['captures']} | {row['eager_calls']} | {row['dynamo_graphs']} | "
               f"{row['dynamo_breaks']} | {_verdict(row['ours_equal'])} / "
               f"{_verdict(row['dynamo_equal'])} |", flush=True)
