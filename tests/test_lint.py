@@ -115,6 +115,16 @@ def test_the_design_lists_every_c_file():
     assert missing == []
 
 
+def test_the_design_lists_every_python_file():
+    """docs/design.md's table of Python files names every module of the package by its
+    path (a folder's `__init__.py` may be left out: it says what its folder holds)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    package = ROOT / "nnscaler_eval"
+    missing = [str(p.relative_to(ROOT)) for p in sorted(package.rglob("*.py"))
+               if p.name != "__init__.py" and f"`{p.relative_to(ROOT)}`" not in design]
+    assert missing == []
+
+
 def _project_includes(path: pathlib.Path) -> set[str]:
     return set(re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), re.M))
 
