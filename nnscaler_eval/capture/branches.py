@@ -699,26 +699,10 @@ class BranchState:
         assert loop is not None
         metas = opened.trace.out_meta[1:]
         where = (opened.hook.owner.filename, loop.line)
-        if opened.real:
-            with torch._C.DisableTorchFunction():
-                for tensor, meta in zip(produced, metas):
-                    if not isinstance(tensor, torch.Tensor) or \
-                            torch_cond._tensor_meta(tensor)[:3] != meta[:3]:
-                        tracer.graph_break(f"the `while` loop at line {loop.line} ran "
-                                           "differently from its trace", where)
-                        return None
-            bound = []
-            for tensor in produced:
-                if tracer.nodes.known(tensor) is not None:
-                    with tracer.suspended():
-                        tensor = tensor.view_as(tensor)
-                bound.append(tensor)
-        else:
-            with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
-                if opened.fake_mode is not None:
-                    stack.enter_context(opened.fake_mode)
-                bound = [torch_cond._fresh_fake(meta) for meta in metas]
-                bound = [t.clone() if t.requires_grad else t for t in bound]
+        bound = _results(tracer, opened, produced, metas,
+                         f"the `while` loop at line {loop.line}", where)
+        if bound is None:
+            return None
         tracer.nodes.bind_result((None, *bound), opened.node, dynamic=None)
         return tuple(bound)
 
@@ -788,26 +772,10 @@ class BranchState:
         tensors = []
         for position in trace.tensor_leaves:
             tensors.append(leaves[position])
-        if opened.real:
-            with torch._C.DisableTorchFunction():
-                for tensor, meta in zip(tensors, trace.out_meta):
-                    if not isinstance(tensor, torch.Tensor) or \
-                            torch_cond._tensor_meta(tensor)[:3] != meta[:3]:
-                        tracer.graph_break(f"the side of the `if` at line {where[1]} ran "
-                                           "differently from its trace", where)
-                        return None
-            bound = []
-            for tensor in tensors:
-                if tracer.nodes.known(tensor) is not None:
-                    with tracer.suspended():
-                        tensor = tensor.view_as(tensor)
-                bound.append(tensor)
-        else:
-            with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
-                if opened.fake_mode is not None:
-                    stack.enter_context(opened.fake_mode)
-                bound = [torch_cond._fresh_fake(meta) for meta in trace.out_meta]
-                bound = [t.clone() if t.requires_grad else t for t in bound]
+        bound = _results(tracer, opened, tensors, trace.out_meta,
+                         f"the side of the `if` at line {where[1]}", where)
+        if bound is None:
+            return None
         tracer.nodes.bind_result(tuple(bound), opened.node, dynamic=None)
         for position, tensor in zip(trace.tensor_leaves, bound):
             leaves[position] = tensor
@@ -867,3 +835,30 @@ def _output_name(site: Site, spec: pytree.TreeSpec, position: int) -> str:
 
 
 _JUMP_OPS = _jump_ops()
+
+
+def _results(tracer: Any, opened: Any, produced: list, metas: list, construct: str,
+             where: tuple) -> Optional[list]:
+    """The tensors a converted `if` side or `while` loop hands on, to be bound to its
+    node: in a real run, what ran (checked against its trace's metadata; an alias
+    where the value is already another node's); on fakes, fresh fakes of the traced
+    metadata.  None after a graph break (it ran differently from its trace)."""
+    if opened.real:
+        with torch._C.DisableTorchFunction():
+            for tensor, meta in zip(produced, metas):
+                if not isinstance(tensor, torch.Tensor) or \
+                        torch_cond._tensor_meta(tensor)[:3] != meta[:3]:
+                    tracer.graph_break(f"{construct} ran differently from its trace", where)
+                    return None
+        bound = []
+        for tensor in produced:
+            if tracer.nodes.known(tensor) is not None:
+                with tracer.suspended():
+                    tensor = tensor.view_as(tensor)
+            bound.append(tensor)
+        return bound
+    with torch._C.DisableTorchFunction(), contextlib.ExitStack() as stack:
+        if opened.fake_mode is not None:
+            stack.enter_context(opened.fake_mode)
+        bound = [torch_cond._fresh_fake(meta) for meta in metas]
+        return [t.clone() if t.requires_grad else t for t in bound]
