@@ -34,6 +34,7 @@ from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_s
 from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
 from nnscaler_eval.capture import dynamic as symbolic_shapes
 from nnscaler_eval.capture import cond as torch_cond
+from nnscaler_eval.capture import loops
 from nnscaler_eval.tracing.compile_awareness import eager_answers
 from nnscaler_eval.capture.calls import LITERAL_TYPES, OPERATORS, qualname, tensors_in
 from nnscaler_eval.capture.global_state import GlobalState
@@ -632,6 +633,8 @@ class Tracer(TorchFunctionMode):
     # `torch.cond` under this tracer (trace_patches routes it here): cond.trace_cond,
     # called as a method, this tracer its first argument.
     trace_cond = torch_cond.trace_cond
+    # An explicit `while_loop` (trace_patches routes it here): loops.trace_while_loop.
+    trace_while_loop = loops.trace_while_loop
 
     def call_opaque(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

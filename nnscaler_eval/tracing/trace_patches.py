@@ -433,11 +433,10 @@ _original_hop_compile_and_call: Any = getattr(_hop_utils, "_hop_compile_and_call
 def _hop_compile_and_call(fn: Any, args: Any, kwargs: Any = None) -> Any:
     tracer = current_tracer()
     call = _HOP_CALL.saved if _HOP_CALL is not None else _original_hop_compile_and_call
-    if tracer is None or kwargs or getattr(fn, "__name__", "") != "_while_loop_op_wrapper" \
-            or len(args) != 4:
+    if tracer is None or not hasattr(tracer, "trace_while_loop") or kwargs \
+            or getattr(fn, "__name__", "") != "_while_loop_op_wrapper" or len(args) != 4:
         return call(fn, args, kwargs)
-    from nnscaler_eval.capture.loops import trace_while_loop
-    return trace_while_loop(tracer, call, fn, tuple(args))
+    return tracer.trace_while_loop(call, fn, tuple(args))
 
 
 # TorchScript runs its ops in C++, out of the TorchFunctionMode's sight: a script
