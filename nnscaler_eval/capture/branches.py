@@ -404,25 +404,34 @@ class BranchState:
                 return test   # bool() raises as in eager
         # Our own work runs as written; when the `if` is converted, the side taken
         # does too, until its join restores the mode.
+        return self._open(lambda: self._convert(hook, test, frame, where), test, where, "if")
+
+    def _open(self, convert: Callable[[], Any], test: Any, where: tuple[str, int],
+              kind: str) -> Any:
+        """`convert()`, which turns an `if` or a `while` into its node and opens it, run
+        with our own code running as written; the mode is restored on every way out
+        but success, where the construct's end restores it (`self.open.code_mode`).  A
+        construct that cannot be converted is refused with the reason (inside a side
+        being traced, the refusal is that side's); an aborted recording leaves `test`
+        to Python."""
         code_mode = _C.capture_code_mode(0)
         try:
-            opened = self._convert(hook, test, frame, where)
-        except torch_cond.CondNotCapturable as exc:
+            opened = convert()
+        except BaseException as exc:
             _C.capture_code_mode(code_mode)
-            if tracer.branch is not None:
+            if isinstance(exc, RecordingAborted):
+                return test
+            if not isinstance(exc, torch_cond.CondNotCapturable) or \
+                    self.tracer.branch is not None:
                 raise
-            reason = exc.fallback.reason.removeprefix("torch.cond: ")
+            reason = exc.fallback.reason
+            if kind == "if":
+                reason = reason.removeprefix("torch.cond: ")
             return self._refuse(test, (exc.fallback.filename, exc.fallback.lineno), reason,
-                                at=where)
-        except RecordingAborted:
-            _C.capture_code_mode(code_mode)
-            return test
-        except BaseException:
-            _C.capture_code_mode(code_mode)
-            raise
+                                at=where, kind=kind)
         assert self.open is not None
         self.open.code_mode = code_mode
-        self.note(BranchNote(*where, converted=True))
+        self.note(BranchNote(*where, converted=True, kind=kind))
         return opened
 
     def _refuse(self, test: Any, where: tuple[str, int], reason: str,
@@ -567,7 +576,6 @@ class BranchState:
     def _fork_loop(self, hook: SiteHook, test: Any, frame: Any) -> Any:
         """The first test of a `while` loop on a tensor: the whole loop becomes one
         while_loop node, or falls back with the reason."""
-        tracer = self.tracer
         loop = hook.site.loop
         assert loop is not None
         where = (hook.owner.filename, loop.line)
@@ -579,25 +587,8 @@ class BranchState:
         with torch._C.DisableTorchFunction():
             if test.numel() != 1:
                 return test   # bool() raises as in eager
-        code_mode = _C.capture_code_mode(0)
-        try:
-            opened = self._convert_loop(hook, loop, test, frame, where)
-        except torch_cond.CondNotCapturable as exc:
-            _C.capture_code_mode(code_mode)
-            if tracer.branch is not None:
-                raise
-            return self._refuse(test, (exc.fallback.filename, exc.fallback.lineno),
-                                exc.fallback.reason, at=where, kind="while")
-        except RecordingAborted:
-            _C.capture_code_mode(code_mode)
-            return test
-        except BaseException:
-            _C.capture_code_mode(code_mode)
-            raise
-        assert self.open is not None
-        self.open.code_mode = code_mode
-        self.note(BranchNote(*where, converted=True, kind="while"))
-        return opened
+        return self._open(lambda: self._convert_loop(hook, loop, test, frame, where), test,
+                          where, "while")
 
     def _convert_loop(self, hook: SiteHook, loop: Loop, test: torch.Tensor, frame: Any,
                       where: tuple[str, int]) -> bool:
