@@ -917,17 +917,23 @@ bytecode_list_to_python(const NnsInstrList *list)
 int
 bytecode_list_from_python(PyCodeObject *code, PyObject *seq, NnsInstrList *out)
 {
-    PyObject *items = PySequence_Fast(seq, "instructions must be a sequence");
+    /* A tuple of its own: converting an item can run Python (an oparg's __index__),
+     * which may change or free what a list it was handed holds. */
+    if (!PySequence_Check(seq)) {
+        PyErr_SetString(PyExc_TypeError, "instructions must be a sequence");
+        return -1;
+    }
+    PyObject *items = PySequence_Tuple(seq);
     if (items == NULL) {
         return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
     if (n > INT_MAX / 4) {
         Py_DECREF(items);
         return bytecode_code_error(code, PyExc_ValueError, "too many instructions");
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(items, k);
+        PyObject *item = PyTuple_GET_ITEM(items, k);
         PyObject *loc = NULL, *handler = NULL;
         NnsInstr instr = {.loc = {0, 0, 0, -1, -1}, .handler = {-1, 0, 0}};
         if (!PyTuple_Check(item)
