@@ -166,65 +166,14 @@ capture_state_save(CaptureThreadState *state)
     PyErr_Restore(type, value, tb);
 }
 
-/* An interrupt (a BaseException that is not an Exception) can stop a torch-function
- * dispatch between its `_pop_mode_temporarily()` and the context manager's exit: the
- * generator then stays suspended, its mode popped, held by a finished frame the
- * traceback keeps, and pushes that mode back whenever the frame is freed, long after
- * the restore below (when the traceback sits in a reference cycle: whenever the
- * cyclic GC runs).  The frames that hold it: torch/overrides.py's dispatch, when the
- * interrupt landed in its `with` before the body; contextlib's `__enter__` or
- * `__exit__` (`self`, the context manager), when it landed in there (found on 3.14,
- * where the periodic check also runs at a function's start).  Clearing those finished
- * frames now runs the generators' `finally`s first, so that the restore sees (and
- * pops) what they push.  Library frames only: the user's keep their locals for
- * post-mortem debugging.  Errors are dropped: best effort. */
-static int
-holds_interrupted_mode_dispatch(PyCodeObject *code)
-{
-    static PyObject *overrides_suffix, *contextlib_suffix, *enter_name, *exit_name;
-    if (exit_name == NULL &&
-        ((overrides_suffix = PyUnicode_InternFromString("torch/overrides.py")) == NULL ||
-         (contextlib_suffix = PyUnicode_InternFromString("/contextlib.py")) == NULL ||
-         (enter_name = PyUnicode_InternFromString("__enter__")) == NULL ||
-         (exit_name = PyUnicode_InternFromString("__exit__")) == NULL)) {
-        return 0;
-    }
-    if (PyUnicode_Tailmatch(code->co_filename, overrides_suffix, 0, PY_SSIZE_T_MAX, 1) == 1) {
-        return 1;
-    }
-    return PyUnicode_Tailmatch(code->co_filename, contextlib_suffix, 0, PY_SSIZE_T_MAX, 1) == 1
-           && (PyUnicode_Compare(code->co_name, enter_name) == 0 ||
-               PyUnicode_Compare(code->co_name, exit_name) == 0);
-}
-
-static void
-finish_interrupted_mode_dispatch(PyObject *value, PyObject *tb)
-{
-    if (value == NULL || tb == NULL || PyObject_IsInstance(value, PyExc_Exception) != 0) {
-        PyErr_Clear();
-        return;
-    }
-    for (PyTracebackObject *cur = (PyTracebackObject *)tb; cur != NULL; cur = cur->tb_next) {
-        PyFrameObject *frame = cur->tb_frame;
-        PyCodeObject *code = PyFrame_GetCode(frame);   /* new reference */
-        int match = holds_interrupted_mode_dispatch(code);
-        Py_DECREF(code);
-        if (match) {
-            PyObject *r = PyObject_CallMethod((PyObject *)frame, "clear", NULL);
-            Py_XDECREF(r);
-        }
-        PyErr_Clear();
-    }
-}
-
 /* Never fails; keeps a pending exception (the user's, or an interrupt). */
 static void
 capture_state_restore(CaptureThreadState *state)
 {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    finish_interrupted_mode_dispatch(value, tb);
+    /* What an interrupt left half done was finished by convert_frame itself
+     * (capture/unwinding.py), before this restore. */
     for (int popped = 0; state->mode_depth >= 0 && popped < 64; popped++) {
         Py_ssize_t depth = mode_stack_depth();
         if (depth < 0 || depth <= state->mode_depth) {

@@ -29,7 +29,7 @@ from torch._guards import TracingContext
 
 from nnscaler_eval import _C, logs
 from nnscaler_eval import capture as tracer
-from nnscaler_eval.capture import dynamic, training
+from nnscaler_eval.capture import dynamic, training, unwinding
 from nnscaler_eval.capture.passed_objects import describe_writes
 from nnscaler_eval.capture import hook_nodes
 from nnscaler_eval.guarding import keyed_objects
@@ -243,6 +243,8 @@ def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
         if not callable(compiled):
             raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         refusal = f"{type(exc).__name__}: {exc}"
         if symbolic and (id(config.backend_fn), refusal) not in _backend_failures_warned.get(
                 code, ()):
@@ -285,6 +287,8 @@ def _compile_shared(config: CompileConfig, capture: Any, gm: Any, example_inputs
         if not callable(compiled):
             raise TypeError(f"it returned {type(compiled).__name__}, not a callable")
     except Exception as exc:
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         logs.recaptures.info("%s: backend %r failed on the graph with shared blocks "
                              "(%s: %s); compiling it inlined", where, config.backend_name,
                              type(exc).__name__, exc)
@@ -309,11 +313,19 @@ def convert_frame(config: CompileConfig, fn: Callable[..., Any], code: Any, self
     # The torch function-mode stack and the function record are restored by C around
     # this call (dispatch.c, capture_state_restore), where no interrupt can land.
     depth = trace_state.capture_depth()
+    modes = unwinding.ModeState()
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
         return _convert_frame_locked(config, fn, code, self, slots, bucket, call_key,
                                      caller_depth)
+    except BaseException as exc:
+        # An interrupt: what it left half done runs now, the modes are put back, and
+        # the caller gets the interrupt itself (capture/unwinding.py).
+        interrupt = unwinding.finish(exc, modes)
+        if interrupt is not None and interrupt is not exc:
+            raise interrupt
+        raise
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)
 
@@ -340,6 +352,8 @@ def _convert_frame_locked(config: CompileConfig, fn: Callable[..., Any], code: A
     except Warning:
         raise
     except Exception as exc:  # our own failure: the frame runs as it is
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         warn_at_user(f"nnscaler: preparing the capture of {where} failed ({exc!r}); "
                      "running it eagerly")
         return RUN_EAGERLY, None
@@ -374,6 +388,8 @@ def _convert_frame_locked(config: CompileConfig, fn: Callable[..., Any], code: A
     try:
         fields = dynamic.plan(config, bucket, call_key, slots[first:])
     except Exception as exc:   # our own failure: a static capture, as before
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         logs.recaptures.info("%s: no dynamic plan (%r)", where, exc)
         fields = None
     if fields is not None:
@@ -421,6 +437,8 @@ def _capture_symbolic(config: CompileConfig, fn: Callable[..., Any], code: Any, 
     except (Warning, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:   # fake tensors refused an op, a data-dependent size...
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         reason = f"{type(exc).__name__}: {exc}"
     training.restore_tree_state(saved)
     dynamic.failed(bucket)
@@ -460,6 +478,8 @@ def _capture(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any
                      if capture.fallback is None else state_guards.StateGuardSet())
         unsound = _unreplayable(capture, recorder, mutable, found, self, rng, reachable)
     except Exception as exc:
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         if symbolic is not None:
             raise dynamic.Unsupported(f"guarding failed: {exc!r}") from exc
         return _uncached(config, capture, f"guarding the capture of {where}", exc)
@@ -501,6 +521,8 @@ def _capture(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any
         with capture.state_before_writes():
             entry = _make_entry(config, capture, code, self, key, where, reads, symbolic)
     except Exception as exc:
+        if unwinding.interrupt_in(exc) is not None:   # Ctrl-C reaches the caller
+            raise
         if symbolic is not None:
             raise dynamic.Unsupported(f"caching failed: {exc!r}") from exc
         return _uncached(config, capture, f"caching the capture of {where}", exc)

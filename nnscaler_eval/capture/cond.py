@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from nnscaler_eval import _C
+from nnscaler_eval.capture import unwinding
 from nnscaler_eval.capture.calls import qualname, tensors_in
 from nnscaler_eval.tracing.locations import user_location
 from nnscaler_eval.capture.nodes import class_name, identifier
@@ -340,6 +341,8 @@ def _trace_branch(
             Fallback(f"torch.cond: the {which} branch could not be recorded", *where)
         ) from None
     except Exception as exc:  # the branch cannot run on fake tensors
+        if unwinding.interrupt_in(exc) is not None:
+            raise
         import os
         import traceback
         if os.environ.get("NNS_DEBUG_COND"):

@@ -55,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nnscaler_eval import _C
-from nnscaler_eval.capture import fake_runs
+from nnscaler_eval.capture import fake_runs, unwinding
 
 _DYNAMIC_SHAPE = torch.Tag.dynamic_output_shape
 _VALUE_READ = torch.Tag.data_dependent_output
@@ -335,6 +335,8 @@ class DataDependence(TorchDispatchMode):
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:
+            if unwinding.interrupt_in(exc) is not None:   # torch's error masking Ctrl-C
+                raise
             if "data" in str(exc):   # "Cannot access data pointer", "data is not allocated"
                 return f"{name} reads tensor data to compute its output's shape", True
             if not presumed:
@@ -373,7 +375,9 @@ def _runs_on_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
             func(*meta_args, **meta_kwargs)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except Exception:   # _NotMetaCopyable, an op with no meta kernel, a data read
+    except Exception as exc:   # _NotMetaCopyable, an op with no meta kernel, a data read
+        if unwinding.interrupt_in(exc) is not None:
+            raise
         return False
     return True
 

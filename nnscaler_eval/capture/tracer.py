@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
-from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals
+from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals, unwinding
 from nnscaler_eval.capture.branches import BranchState
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
 from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
@@ -114,7 +114,7 @@ def _pop_dispatch_modes_to(depth: int) -> None:
     """Pop torch dispatch modes until `depth` are left (idempotent; the `with` that
     pushed ours may not have run its exit when an interrupt landed)."""
     while torch._C._len_torch_dispatch_stack() > depth:
-        torch._C._pop_torch_dispatch_stack()
+        torch._C._pop_torch_dispatch_stack(None)
 
 
 class _OpaqueWitness:
@@ -250,6 +250,16 @@ class Tracer(TorchFunctionMode):
             _C.record_functions_resume(paused)
             if self.fallback is None:
                 self.modules.unhide(hidden)
+            self._suspended -= 1
+
+    def _unrecorded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, recording nothing: a recorded op's own implementation
+        (the autograd.Function inside a `torch.library` custom op, its reruns on fakes)
+        is inside the op's node, not a call of the forward's beside it."""
+        self._suspended += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
             self._suspended -= 1
 
     # -- the run -----------------------------------------------------------------
@@ -870,11 +880,13 @@ class Tracer(TorchFunctionMode):
                 call_args = symbolic_shapes.with_hints(call_args)
             call_kwargs = torch_cond.fakeify(quiet_plain(kwargs), fake_mode)
             try:
-                result = func(*call_args, **call_kwargs)
+                result = self._unrecorded(func, *call_args, **call_kwargs)
             except (symbolic_shapes.Unsupported, GraphBreakError, KeyboardInterrupt,
                     SystemExit):
                 raise
             except Exception as exc:
+                if unwinding.interrupt_in(exc) is not None:   # not a refusal: Ctrl-C
+                    raise
                 # Say which op refused which symbolic argument (the static capture
                 # that follows raises eager's error, if it is one).
                 raise symbolic_shapes.Unsupported(
@@ -885,10 +897,11 @@ class Tracer(TorchFunctionMode):
             watch = self.data_dependence
             record = watch.begin((plain_args, plain_kwargs))
             try:
-                result = func(*plain_args, **plain_kwargs)
+                result = self._unrecorded(func, *plain_args, **plain_kwargs)
             finally:
                 watch.close(record)
-            dynamic = watch.verdict(record, func, plain_args, plain_kwargs, result)
+            dynamic = self._unrecorded(watch.verdict, record, func, plain_args, plain_kwargs,
+                                       result)
         if signals.pending():
             signals.deliver()
         try:
