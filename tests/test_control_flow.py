@@ -566,3 +566,102 @@ def test_an_explicit_while_loop_carrying_an_int_falls_back_with_the_reason():
     other = nnscaler.compile(_ExplicitLoop())
     other(torch.randn(2, 4), torch.tensor(2))
     assert nnscaler.cache_info(other).fallbacks == 0
+
+
+# -- Python that runs asynchronously while a side is traced -----------------------------
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:
+            y = y * 2 + 1
+        else:
+            y = torch.tanh(y) - 1
+        return y
+
+
+def test_a_collection_during_a_side_runs_the_users_gc_callbacks_as_written():
+    """A garbage collection while the side eager does not take is traced (collections
+    forced on every allocation here) runs the user's gc callback as eager would: its
+    write to outside state is not refused (no "Exception ignored"), its count is kept,
+    and the `if` is still converted."""
+    import gc
+
+    stats = {"collections": 0}
+
+    def count(phase, info):
+        if phase == "stop":
+            stats["collections"] += 1   # an item store on an object from outside
+
+    unraisable = []
+    previous_hook = sys.unraisablehook
+    threshold = gc.get_threshold()
+    compiled, eager = copy.deepcopy(_Branchy()), _Branchy()
+    eager.load_state_dict(compiled.state_dict())
+    nnscaler.compile(compiled)
+    gc.callbacks.append(count)
+    sys.unraisablehook = unraisable.append
+    try:
+        gc.set_threshold(1)
+        x = torch.randn(3, 4)
+        got = compiled(x)
+    finally:
+        gc.set_threshold(*threshold)
+        sys.unraisablehook = previous_hook
+        gc.callbacks.remove(count)
+    assert [u.exc_value for u in unraisable] == []
+    assert stats["collections"] > 0
+    torch.testing.assert_close(got, eager(x))
+    for flip in (x, -x, x * 3):
+        torch.testing.assert_close(compiled(flip), eager(flip))
+    info = nnscaler.cache_info(compiled)
+    assert info.fallbacks == 0 and info.captures == 1, info
+
+
+def test_a_signal_handler_delivered_during_a_checked_side_runs_as_written():
+    """A signal noted while the side eager does not take is traced is delivered at
+    the tracer's next point, inside the side: the handler is not the side's, so its
+    write to outside state happens and is no refusal of the side.  (The signal is
+    noted from a gc callback that sees the side running: collections are forced on
+    every allocation.)"""
+    import gc
+    import signal
+
+    from nnscaler_eval.capture import signals
+    from nnscaler_eval.tracing import asynchronous
+
+    flags = {"stop": 0}
+
+    def on_usr1(signum, frame):
+        flags["stop"] += 1   # a store on an object from outside the side
+
+    def note_in_side(phase, info):
+        saved = getattr(asynchronous._local, "saved", None)
+        if phase == "start" and saved is not None and saved[1] == 2 and not flags["stop"] \
+                and signal.SIGUSR1 not in signals._pending:
+            signals._pending.append(signal.SIGUSR1)
+
+    previous_handler = signal.signal(signal.SIGUSR1, on_usr1)
+    threshold = gc.get_threshold()
+    compiled, eager = copy.deepcopy(_Branchy()), _Branchy()
+    eager.load_state_dict(compiled.state_dict())
+    nnscaler.compile(compiled)
+    gc.callbacks.append(note_in_side)
+    try:
+        gc.set_threshold(1)
+        x = torch.randn(3, 4)
+        got = compiled(x)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(note_in_side)
+        signal.signal(signal.SIGUSR1, previous_handler)
+        signals._pending.clear()
+    assert flags["stop"] == 1
+    torch.testing.assert_close(got, eager(x))
+    info = nnscaler.cache_info(compiled)
+    assert info.fallbacks == 0 and info.captures == 1, info

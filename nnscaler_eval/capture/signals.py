@@ -28,6 +28,7 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
+from nnscaler_eval.tracing import asynchronous
 from nnscaler_eval.tracing.trace_state import run_to_completion
 
 # The handlers replaced by the outermost active deferral: signal number -> handler.
@@ -111,7 +112,12 @@ def deliver() -> None:
         if handler is _note:
             continue    # put back by nobody: the original is lost, nothing to call
         if callable(handler):
-            handler(signum, caller)
+            # The handler is not the forward's: not recorded, not checked (asynchronous.py).
+            saved = asynchronous.plain()
+            try:
+                handler(signum, caller)
+            finally:
+                asynchronous.resume(saved)
         elif handler == signal.SIG_DFL:
             signal.raise_signal(signum)   # the default action, as it would have been
 
