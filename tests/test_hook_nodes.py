@@ -101,9 +101,11 @@ def inputs(batch, seed):
 
 def test_collected_outputs_equal_eager_and_the_forward_is_one_graph():
     compiled, eager = make()
-    for seed in range(3):  # lazy set-up, the call that finds the hooks, the capture
-        agree(compiled, eager, inputs(2, seed))
-    for seed in range(3, 8):
+    # The lazy set-up runs once, uncached; the hooks it installed are followed from
+    # the next call, which captures.
+    agree(compiled, eager, inputs(2, 0), expect="eager")
+    agree(compiled, eager, inputs(2, 1), expect="capture")
+    for seed in range(2, 8):
         agree(compiled, eager, inputs(2, seed), expect="hit")
     report = nnscaler.explain(compiled, inputs(2, 9))
     assert len(report.graphs) == 1 and not report.fallbacks, report
@@ -219,8 +221,11 @@ def test_train_mode_gradients_equal_eager():
             model.zero_grad()
             out, hidden, weights = model(x)
             (out.sum() + sum(h.sum() for h in hidden) + sum(w.sum() for w in weights)).backward()
+        # The capturing call's autograd graph also holds the aliases that stand for a
+        # hook node's result: its gradients sum in another order (float rounding).
+        capturing = seed == 1
         for a, b in zip(compiled.parameters(), eager.parameters()):
-            assert_same(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+            assert_same(a.grad, b.grad, rtol=1e-4 if capturing else 1e-6, atol=1e-6)
 
 
 def test_reset_forgets_the_followed_hooks():
@@ -257,8 +262,8 @@ def test_hf_hidden_states_and_attentions_equal_eager_in_one_graph(use_cache):
             assert_same(got.logits, want.logits)
             assert_same(got.hidden_states, want.hidden_states)
             assert_same(got.attentions, want.attentions)
-        captures, hits, _ = served(compiled)
-        assert captures == 1 and hits >= 4, nnscaler.cache_info(compiled)
+        # the first call installs the hooks (uncached), the second captures
+        assert served(compiled) == (1, 5, 1), nnscaler.cache_info(compiled)
         # the hooks stay on the modules; without the flags they collect nothing
         ids = torch.randint(0, 64, (1, 8), generator=generator)
         got, want = compiled(ids, use_cache=use_cache), eager(ids, use_cache=use_cache)

@@ -176,6 +176,7 @@ class Tracer(TorchFunctionMode):
         # `if` statements on tensors, converted to torch.cond (capture/branches.py)
         self.branches = BranchState(self)
         self._code_mode: Optional[int] = None   # capture_code_mode before run()
+        self._hooked_before: set[int] = set()   # modules with forward hooks (_prepare)
 
         self.nodes = NodeMap(self.root_graph, root)
         self.modules = TrackedModules(self)
@@ -348,6 +349,11 @@ class Tracer(TorchFunctionMode):
             self.fn = self.root = None
 
     def _prepare(self) -> None:
+        # Which modules have forward hooks before the forward runs (a forward that
+        # installs its own, lazily, has them followed from its next call).
+        self._hooked_before = (
+            {id(m) for m in self.root.modules() if m._forward_hooks}
+            if isinstance(self.root, nn.Module) else set())
         # Placeholders: every tensor leaf of the slots.
         # KV caches passed in: their tensors are placeholders too, and what the
         # forward writes into them is replayed (passed_objects).
@@ -463,6 +469,11 @@ class Tracer(TorchFunctionMode):
                 # a model whose output-capturing hooks it has just installed): done
                 # once, so a fallback kept for it would hold every later call eager.
                 self.fallback.retry = True
+                # The hooks this forward installed are its own (output capturing):
+                # followed from the next capture, which then need not fail first
+                # on a tensor they hand out (hook_nodes).
+                hook_nodes.escaped({key: module for key, module in self.modules.opaque.items()
+                                    if key not in self._hooked_before})
 
     # -- callbacks from trace_patches, runtime.ifexpr, register_op --------------
 
