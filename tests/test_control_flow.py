@@ -585,13 +585,32 @@ class _Branchy(nn.Module):
         return y
 
 
+def _first_call_collecting_always(callback):
+    """A compiled `_Branchy` and its eager twin; the compiled one's first call (its
+    capture) made with `callback` among `gc.callbacks` and a collection on every
+    allocation.  Returns (compiled, eager, x, the first call's result)."""
+    import gc
+
+    threshold = gc.get_threshold()
+    compiled, eager = copy.deepcopy(_Branchy()), _Branchy()
+    eager.load_state_dict(compiled.state_dict())
+    nnscaler.compile(compiled)
+    x = torch.randn(3, 4)
+    gc.callbacks.append(callback)
+    try:
+        gc.set_threshold(1)
+        got = compiled(x)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(callback)
+    return compiled, eager, x, got
+
+
 def test_a_collection_during_a_side_runs_the_users_gc_callbacks_as_written():
     """A garbage collection while the side eager does not take is traced (collections
     forced on every allocation here) runs the user's gc callback as eager would: its
     write to outside state is not refused (no "Exception ignored"), its count is kept,
     and the `if` is still converted."""
-    import gc
-
     stats = {"collections": 0}
 
     def count(phase, info):
@@ -600,20 +619,11 @@ def test_a_collection_during_a_side_runs_the_users_gc_callbacks_as_written():
 
     unraisable = []
     previous_hook = sys.unraisablehook
-    threshold = gc.get_threshold()
-    compiled, eager = copy.deepcopy(_Branchy()), _Branchy()
-    eager.load_state_dict(compiled.state_dict())
-    nnscaler.compile(compiled)
-    gc.callbacks.append(count)
     sys.unraisablehook = unraisable.append
     try:
-        gc.set_threshold(1)
-        x = torch.randn(3, 4)
-        got = compiled(x)
+        compiled, eager, x, got = _first_call_collecting_always(count)
     finally:
-        gc.set_threshold(*threshold)
         sys.unraisablehook = previous_hook
-        gc.callbacks.remove(count)
     assert [u.exc_value for u in unraisable] == []
     assert stats["collections"] > 0
     torch.testing.assert_close(got, eager(x))
@@ -629,7 +639,6 @@ def test_a_signal_handler_delivered_during_a_checked_side_runs_as_written():
     write to outside state happens and is no refusal of the side.  (The signal is
     noted from a gc callback that sees the side running: collections are forced on
     every allocation.)"""
-    import gc
     import signal
 
     from nnscaler_eval.capture import signals
@@ -647,18 +656,9 @@ def test_a_signal_handler_delivered_during_a_checked_side_runs_as_written():
             signals._pending.append(signal.SIGUSR1)
 
     previous_handler = signal.signal(signal.SIGUSR1, on_usr1)
-    threshold = gc.get_threshold()
-    compiled, eager = copy.deepcopy(_Branchy()), _Branchy()
-    eager.load_state_dict(compiled.state_dict())
-    nnscaler.compile(compiled)
-    gc.callbacks.append(note_in_side)
     try:
-        gc.set_threshold(1)
-        x = torch.randn(3, 4)
-        got = compiled(x)
+        compiled, eager, x, got = _first_call_collecting_always(note_in_side)
     finally:
-        gc.set_threshold(*threshold)
-        gc.callbacks.remove(note_in_side)
         signal.signal(signal.SIGUSR1, previous_handler)
         signals._pending.clear()
     assert flags["stop"] == 1

@@ -1068,9 +1068,12 @@ class Tracer(TorchFunctionMode):
         if node is not None:
             return node
         if isinstance(tensor, FakeTensor):
-            # Made inside a cond branch but not by a recorded op (or leaked out of one).
+            # Made inside a cond branch but not by a recorded op (or leaked out of one),
+            # or by a run on fakes outside any branch.
             self.graph_break(
                 "a tensor of a torch.cond branch was made outside torch function dispatch"
+                if self.branch is not None else
+                "a fake tensor made outside torch function dispatch reached the graph"
             )
             raise RecordingAborted
         if torch._C._functorch.is_functorch_wrapped_tensor(tensor):

@@ -54,6 +54,9 @@ def resume(saved: Optional[tuple[Any, int, Any]]) -> None:
 
 def _collection_starts(phase: str, info: Any) -> None:
     if phase == "start":
+        # (A stop never seen, our callbacks removed meanwhile: put that bracket's
+        # state back before opening this one.)
+        resume(getattr(_local, "saved", None))
         _local.saved = plain()
 
 
