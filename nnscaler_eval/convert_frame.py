@@ -313,19 +313,14 @@ def convert_frame(config: CompileConfig, fn: Callable[..., Any], code: Any, self
     # The torch function-mode stack and the function record are restored by C around
     # this call (dispatch.c, capture_state_restore), where no interrupt can land.
     depth = trace_state.capture_depth()
-    modes = unwinding.ModeState()
     try:
         if not trace_state.try_enter_capture():
             return RUN_DISARMED, None
-        return _convert_frame_locked(config, fn, code, self, slots, bucket, call_key,
-                                     caller_depth)
-    except BaseException as exc:
-        # An interrupt: what it left half done runs now, the modes are put back, and
-        # the caller gets the interrupt itself (capture/unwinding.py).
-        interrupt = unwinding.finish(exc, modes)
-        if interrupt is not None and interrupt is not exc:
-            raise interrupt
-        raise
+        # An interrupt: what it left half done runs on the way out, the modes are put
+        # back, and the caller gets the interrupt itself (capture/unwinding.py).
+        with unwinding.Boundary():
+            return _convert_frame_locked(config, fn, code, self, slots, bucket, call_key,
+                                         caller_depth)
     finally:
         trace_state.run_to_completion(trace_state.leave_capture, depth)
 

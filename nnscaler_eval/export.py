@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from nnscaler_eval import _C
-from nnscaler_eval.capture import Capture, GraphBreakError, capture, dynamic
+from nnscaler_eval.capture import Capture, GraphBreakError, capture, dynamic, unwinding
 from nnscaler_eval.eval_frame import enable
 from nnscaler_eval.register_op import registered_ops
 from nnscaler_eval.rewrite import rewritten_function
@@ -150,7 +150,8 @@ def _capture_for_export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[s
         slots = slots[:1] + symbolic.values
     try:
         # Rewrite mode: submodule forwards, inlined by the tracer, run rewritten too.
-        with enable():
+        # An interrupt leaves nothing behind (capture/unwinding.py).
+        with unwinding.Boundary(), enable():
             result = capture(
                 fn,
                 slots,

@@ -414,6 +414,40 @@ def test_an_interrupt_inside_a_context_managers_enter_leaves_no_fake_mode_behind
         before.restore()
 
 
+def test_an_interrupt_inside_an_exports_capture_leaves_no_fake_mode_behind():
+    """nnscaler.export's symbolic capture crosses the same boundary."""
+    import gc
+
+    import torch
+    import torch.nn as nn
+
+    import nnscaler
+    from nnscaler_eval.capture import unwinding
+
+    scale = _scale_op()
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return scale(x) + 1
+
+    fake_key = torch._C._TorchDispatchModeKey.FAKE
+    before = unwinding.ModeState()
+    try:
+        _interrupt_in_fake_kernel.update(armed=True, masked=True)
+        with pytest.raises(KeyboardInterrupt):
+            nnscaler.export(Model(), torch.randn(5, 4), dynamic_dims={"x": 0})
+        gc.collect()
+        assert torch._C._get_dispatch_mode(fake_key) is None
+        assert torch._C._len_torch_dispatch_stack() == before.dispatch_depth
+        assert torch._C._len_torch_function_stack() == before.function_depth
+        gm = nnscaler.export(Model(), torch.randn(5, 4), dynamic_dims={"x": 0})
+        x = torch.randn(7, 4)
+        torch.testing.assert_close(gm(x), x * 2 + 1)
+    finally:
+        _interrupt_in_fake_kernel["armed"] = False
+        before.restore()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == [CHILD_FLAG]:
     result = _child(int(sys.argv[2]), int(sys.argv[3]), nested=sys.argv[4] == "nested",
                     symbolic=sys.argv[4] == "symbolic", signame=sys.argv[5])

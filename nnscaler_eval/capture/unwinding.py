@@ -13,8 +13,8 @@ fake mode left set, and the next eager call computes on fake tensors.  Torch cod
 fails while unwinding from the interrupt raises its own error, the interrupt in its
 `__context__`, so the interrupt may be anywhere in the exception's chain.
 
-So the boundary of a capture (convert_frame, export) finishes such an exception before it
-leaves, in this order:
+So the boundary of a capture (`Boundary`, around convert_frame's work and export's
+capture) finishes such an exception before it leaves, in this order:
 
 1. the library frames (torch's, the standard library's, ours) of every traceback in the
    chain are cleared: the abandoned generators' `finally`s run now, not at some GC;
@@ -29,7 +29,7 @@ and the boundary raises the interrupt itself: Ctrl-C reaches the caller as
 from __future__ import annotations
 
 import types
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -104,13 +104,23 @@ def _clear_library_frames(exc: BaseException) -> None:
             tb = tb.tb_next
 
 
-def finish(exc: BaseException, modes: ModeState) -> Optional[BaseException]:
-    """If `exc` holds an interrupt: run what it abandoned, put the modes back as
-    `modes` found them, and return the interrupt (for the caller to raise: a script's
-    `except KeyboardInterrupt` must see Ctrl-C, not the error torch raised while
-    unwinding from it).  Completes even if another interrupt lands inside."""
-    interrupt = interrupt_in(exc)
-    if interrupt is not None:
+class Boundary:
+    """`with Boundary():` around a capture.  An exception that holds an interrupt is
+    finished on its way out: what it abandoned runs, the modes are put back as they
+    were on entry, and the interrupt itself leaves (a script's `except
+    KeyboardInterrupt` must see Ctrl-C, not the error torch raised while unwinding
+    from it).  A class, not a generator: its exit is what runs the generators an
+    interrupt abandoned."""
+
+    def __enter__(self) -> "Boundary":
+        self.modes = ModeState()
+        return self
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
+        interrupt = interrupt_in(exc)
+        if interrupt is None or exc is None:
+            return
         run_to_completion(_clear_library_frames, exc)
-        run_to_completion(modes.restore)
-    return interrupt
+        run_to_completion(self.modes.restore)
+        if interrupt is not exc:
+            raise interrupt
