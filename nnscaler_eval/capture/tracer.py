@@ -29,7 +29,6 @@ from nnscaler_eval import _C
 from nnscaler_eval.runners import direct_calls, module_calls
 from nnscaler_eval.tracing import trace_patches
 from nnscaler_eval.capture import calls, hook_nodes, output, passed_objects, signals, unwinding
-from nnscaler_eval.tracing import asynchronous
 from nnscaler_eval.capture.branches import BranchState
 from nnscaler_eval.capture.data_dependence import DataDependence, has_unbacked_size
 from nnscaler_eval.capture.python_values import DATA_VALUES, TRACKED_SEQUENCES, PythonValues
@@ -284,7 +283,6 @@ class Tracer(TorchFunctionMode):
         deferral = signals.Deferral()
         try:
             deferral.start()
-            asynchronous.install(self)
             set_current_tracer(self)
             trace_patches.install(self)
             # Frames of user code run with their `if`s hooked (capture/branches.py).
@@ -330,7 +328,6 @@ class Tracer(TorchFunctionMode):
             _C.capture_code_mode(self._code_mode)
             self._code_mode = None
         trace_patches.uninstall(self)
-        asynchronous.uninstall(self)
         # Modes pushed above run()'s entry depth (ours, or one an interrupt left).
         _pop_modes_to(mode_depth)
         _pop_dispatch_modes_to(dispatch_depth)

@@ -49,7 +49,6 @@ import torch.nn as nn
 from nnscaler_eval import _C
 from nnscaler_eval.guarding import keyed_objects
 from nnscaler_eval.tracing.locations import is_library_file
-from nnscaler_eval.tracing import asynchronous
 
 MISSING = type("Missing", (), {"__repr__": lambda self: "<absent>"})()
 
@@ -303,13 +302,10 @@ class CodeRecorder:
         self._token: Any = None
 
     def __enter__(self) -> "CodeRecorder":
-        # What a garbage collection runs meanwhile is not the capture's (asynchronous.py).
-        asynchronous.install(self)
         self._token = _C.record_functions_start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        asynchronous.uninstall(self)
         functions, complete = _C.record_functions_stop(self._token)
         self._token = None
         self.complete = bool(complete)
