@@ -9,6 +9,7 @@ import torch
 
 from nnscaler_eval import _C
 from nnscaler_eval.config import CompileConfig
+from nnscaler_eval.runners import inductor_start
 
 
 def compile(
@@ -75,6 +76,8 @@ def install_on_module(module: torch.nn.Module, config: CompileConfig) -> None:
     # nn.Module._wrapped_call_impl calls _compiled_call_impl in place of _call_impl
     # (the hook torch's own Module.compile() uses); state_dict() is untouched.
     module._compiled_call_impl = _C.ModuleCall(module, config)
+    # Inductor's start for CPU code runs beside what comes before the first call.
+    inductor_start.begin_for(config.backend_name, module)
 
 
 def _compile_function(fn: types.FunctionType, config: CompileConfig) -> Any:

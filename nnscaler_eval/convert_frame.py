@@ -38,7 +38,7 @@ from nnscaler_eval.tracing import trace_state
 from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import CompileConfig, adopt_region_bucket
-from nnscaler_eval.runners import block_reuse
+from nnscaler_eval.runners import block_reuse, inductor_start
 from nnscaler_eval.runners.backends import PerSizeCompiled, compile_graph
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
@@ -454,6 +454,7 @@ def _capture(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any
     reachable = state_guards.argument_snapshot(state_guards.forward_namespace_values(fn))
     rng = state_guards.python_rng_state()
     traced_slots = _state_aliases_apart(slots, first, self, fn)
+    inductor_start.begin_for(config.backend_name, self, slots[first:])
     if symbolic is not None:
         traced_slots = traced_slots[:first] + tuple(
             fake if fake is not real else traced

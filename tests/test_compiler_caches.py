@@ -202,3 +202,74 @@ def test_a_graph_that_runs_user_code_stays_out_of_aot_autograds_cache(make):
     assert all("example_value" not in n.meta for n in gm.graph.nodes)
     with pytest.raises(BypassAOTAutogradCache):
         check_cacheable(gm)
+
+
+# -- Inductor's start for CPU code, begun early (runners/inductor_start.py) ----------------
+
+_ISA_ANSWERS = r"""
+import json, sys
+import torch
+from torch._inductor import cpu_vec_isa
+from nnscaler_eval.runners import inductor_start
+
+begun = sys.argv[1] == "begin"
+asked_again = []
+if begun:
+    inductor_start.begin()
+    inductor_start.finish()
+    # Every answer is now Inductor's memo: asking again builds and loads nothing.
+    cpu_vec_isa.VecISA.check_build = lambda self, code: asked_again.append(str(self))
+valid = cpu_vec_isa.valid_vec_isa_list()
+picked = cpu_vec_isa.pick_vec_isa()
+print(json.dumps({
+    "valid": [[str(isa), isa.build_arch_flags(),
+               getattr(isa, "_is_avx512_bf16_supported", None),
+               getattr(isa, "_is_amx_fp16_supported", None)] for isa in valid],
+    "picked": [str(picked), picked.build_arch_flags()],
+    "asked_again": asked_again,
+    "candidates": [str(isa) for isa in inductor_start._candidates(cpu_vec_isa)],
+}))
+"""
+
+
+def test_inductor_start_begun_early_gives_inductors_own_answers(tmp_path):
+    """The questions Inductor asks about the CPU's vector instruction sets, asked early
+    in parallel threads, leave exactly Inductor's own answers and side effects (the
+    AVX-512 candidate's bf16 flag, the flags every kernel is built with) and leave
+    nothing for Inductor to ask again; a process that asks nothing early, with the
+    same cache folder, gets the same answers from Inductor alone."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+
+    def answers(how: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _ISA_ANSWERS, how], capture_output=True,
+                              text=True, env=env, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    early, alone = answers("begin"), answers("plain")
+    assert early["valid"] == alone["valid"] and early["picked"] == alone["picked"]
+    assert early["asked_again"] == []
+    # Every candidate asked early is one Inductor asks about, in its order.
+    assert [isa[0] for isa in alone["valid"]] == [
+        name for name in early["candidates"] if name in {isa[0] for isa in alone["valid"]}]
+
+
+def test_inductor_start_begins_only_for_inductor_on_the_cpu(monkeypatch):
+    from nnscaler_eval.runners import inductor_start
+
+    begun = []
+    monkeypatch.setattr(inductor_start, "_asking", None)
+    monkeypatch.setattr(inductor_start, "begin", lambda: begun.append(True))
+    cpu_model, meta_model = nn.Linear(2, 2), nn.Linear(2, 2, device="meta")
+    inductor_start.begin_for("inductor", cpu_model)
+    inductor_start.begin_for("inductor", None, [3, torch.ones(1)])
+    assert begun == [True, True]
+    inductor_start.begin_for("eager", cpu_model)
+    inductor_start.begin_for("aot_eager", cpu_model)
+    inductor_start.begin_for("inductor", meta_model, [torch.ones(1, device="meta")])
+    inductor_start.begin_for("inductor", nn.ReLU(), [2.0])
+    assert begun == [True, True]
+    # A model that will compute on the CPU, compiled for Inductor, begins at compile().
+    model = nnscaler.compile(nn.Linear(2, 2), backend="inductor")
+    assert begun == [True, True, True]
+    del model

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from nnscaler_eval.runners import backend_form
+from nnscaler_eval.runners import backend_form, inductor_start
 
 
 def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
@@ -53,11 +53,13 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     The graph is handed over as Dynamo hands its graphs (runners/backend_form.py): in
     a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
     `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
-    need before they keep anything across processes."""
+    need before they keep anything across processes.  Inductor's per-process start,
+    begun earlier by runners/inductor_start.py, is finished first."""
     # Here, not at the top: torch does not import it, and it costs about 15 ms that
     # only a compiling backend needs.
     from torch._functorch import config as functorch_config
 
+    inductor_start.finish()
     with functorch_config.patch(force_non_lazy_backward_lowering=True), \
             backend_form.as_dynamo_hands_it(gm, example_inputs):
         return backend_fn(gm, example_inputs)
