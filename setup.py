@@ -55,10 +55,11 @@ if os.environ.get("NNSCALER_WERROR") == "1":
 # compat/ is the version layer below both csrc/ (the shim) and guards/ (docs/design.md).
 sources = [path for folder in ("compat", "csrc", "guards")
            for path in sorted(glob.glob(f"{folder}/*.c"))]
-# The one C++ translation unit (guards/tensor_meta.cpp) reads tensors through the
-# headers of the torch installed at build time; its own flags are set in
+# The two C++ translation units (guards/tensor_meta.cpp: what the call key reads of a
+# tensor; csrc/replay_tensors.cpp: the copies and clones of a graph replay) use the
+# headers of the torch installed at build time; their own flags are set in
 # build_ext_per_language (setuptools passes one set of flags to every source).
-sources.append("guards/tensor_meta.cpp")
+sources += ["guards/tensor_meta.cpp", "csrc/replay_tensors.cpp"]
 
 
 def _torch_build_info():
@@ -84,7 +85,7 @@ else:
     cxx_args.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
     # torch is imported before _C (nnscaler_eval/__init__.py), so these are already
     # loaded; the run path finds them when something imports _C on its own.
-    libraries = ["xxhash", "torch_python", "c10"]
+    libraries = ["xxhash", "torch_python", "torch_cpu", "c10"]
     library_dirs, runtime_dirs = [lib_dir], [lib_dir]
 
 

@@ -14,6 +14,7 @@
 #include "arming.h"
 #include "compiled_call.h"
 #include "eval_frame.h"
+#include "graph_replay.h"
 #include "nns_globals.h"
 #include "recursion.h"
 #include "rewrite.h"
@@ -521,6 +522,7 @@ module_exec(PyObject *module)
         add_type(module, &CallKey_Type, "CallKey") < 0 ||
         add_type(module, &ModuleCall_Type, "ModuleCall") < 0 ||
         add_type(module, &CompiledFunction_Type, "CompiledFunction") < 0 ||
+        add_type(module, &GraphReplay_Type, "GraphReplay") < 0 ||
         eval_frame_init(module) < 0) {
         return -1;
     }

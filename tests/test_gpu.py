@@ -33,6 +33,12 @@ def test_cudagraphs_replays_with_new_inputs():
             out = model(x)
             torch.testing.assert_close(eager(x), out, **TOL)
     assert nnscaler.cache_info(model).hits >= 3
+    # the entry's runner is the replay itself: a hit runs no Python frame of ours
+    from nnscaler_eval import _C
+
+    state = _C.code_state(type(model).forward.__code__) or {}
+    runners = [e.runner for b in state.get("buckets", []) if b.self is model for e in b.entries]
+    assert runners and all(isinstance(r, _C.GraphReplay) for r in runners)
 
 
 def test_cpu_entry_is_not_used_for_cuda_inputs():

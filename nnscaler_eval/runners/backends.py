@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from nnscaler_eval import _C
 from nnscaler_eval.runners import backend_form, inductor_start
 
 
@@ -67,9 +68,12 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
 
 def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     """Record the graph into a CUDA graph (torch.cuda's graph API owns the memory
-    pool) and return a callable that copies its inputs into the static input buffers,
-    replays, copies back into the caller's tensors the inputs the graph writes in place
-    (a static KV cache's `index_copy_`), and returns copies of the static outputs.
+    pool) and return its replay, a C callable (`_C.GraphReplay`, csrc/graph_replay.h):
+    it copies the inputs not already at the recorded addresses into the static input
+    buffers, replays, copies back into the caller's tensors the inputs the graph
+    writes in place (a static KV cache's `index_copy_`), and returns copies of the
+    static outputs.  Parameters and buffers are attributes of the graph, read in place
+    by the recording: never copied.
 
     Inference only, concrete sizes only: it refuses (and the caller then runs the graph
     with the eager backend, with one warning, or, for a dynamic capture, records one
@@ -80,50 +84,60 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     """
     if not torch.cuda.is_available():
         raise RuntimeError("cudagraphs needs a CUDA device and none is available")
+    refuse_replay(gm, example_inputs, "cuda")
+    return replayed(gm, example_inputs, _record_cuda)
+
+
+def refuse_replay(gm: Any, example_inputs: list[Any], device_type: str) -> None:
+    """Raise, saying why, when a recording of `gm` could not replay these inputs:
+    symbolic or fake inputs, an input that is not a tensor of `device_type`, or
+    autograd needed (grad mode on with an input or a parameter requiring grad)."""
     symbolic = [i for i, t in enumerate(example_inputs)
                 if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool))
                 or (isinstance(t, torch.Tensor) and is_fake(t))]
     if symbolic:
-        raise ValueError(f"cudagraphs records concrete sizes; inputs {symbolic} are symbolic")
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        raise ValueError(f"a graph recording takes concrete sizes; inputs {symbolic} are "
+                         "symbolic")
     off_device = [i for i, t in enumerate(example_inputs)
-                  if not (isinstance(t, torch.Tensor) and t.is_cuda)]
+                  if not (isinstance(t, torch.Tensor) and t.device.type == device_type)]
     if off_device:
-        raise ValueError(f"cudagraphs needs every graph input on a CUDA device; "
-                         f"inputs {off_device} are not")
+        raise ValueError(f"a {device_type} graph recording needs every graph input on a "
+                         f"{device_type} device; inputs {off_device} are not")
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                     or any(p.requires_grad for p in gm.parameters())):
-        raise ValueError("cudagraphs is inference only: call under torch.no_grad() "
+        raise ValueError("a graph recording is inference only: call under torch.no_grad() "
                          "(or with requires_grad=False everywhere)")
+
+
+def replayed(gm: Any, example_inputs: list[Any],
+             record: Callable[[Any, list[Any]], tuple[Callable[[], Any], Any]]) -> Any:
+    """The replay of `gm` recorded by `record(gm, static_inputs) -> (replay, outputs)`,
+    which runs the graph on the static input buffers as often as its recording needs
+    (warm-up included) and returns the callable that runs the recording again and the
+    recording's outputs.  Which inputs the graph writes in place is read from their
+    version counters across `record`: a view's write moves its base's."""
     static_inputs = [t.clone() for t in example_inputs]
     versions = [t._version for t in static_inputs]
+    replay, static_outputs = record(gm, static_inputs)
+    written = tuple(i for i, (t, v) in enumerate(zip(static_inputs, versions))
+                    if t._version != v)
+    single = not isinstance(static_outputs, (tuple, list))
+    outputs = (static_outputs,) if single else tuple(static_outputs)
+    return _C.GraphReplay(tuple(static_inputs), replay, written, outputs, single=single)
+
+
+def _record_cuda(gm: Any, static_inputs: list[Any]) -> tuple[Callable[[], Any], Any]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm-up: lazy initialisation outside the recording
             gm(*static_inputs)
     torch.cuda.current_stream().wait_stream(side)
-    # An input the graph writes in place moved its version counter in the warm-up (a
-    # view's write moves its base's): the replay writes the static copy, which then
-    # goes back to the caller's tensor, as the eager graph would have left it.
-    written = [i for i, (t, v) in enumerate(zip(static_inputs, versions)) if t._version != v]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_outputs = gm(*static_inputs)
-
-    def replay(*inputs: Any) -> Any:
-        for buffer, value in zip(static_inputs, inputs):
-            buffer.copy_(value)
-        graph.replay()
-        for i in written:
-            inputs[i].copy_(static_inputs[i])
-        # the static outputs are overwritten by the next replay: hand out copies
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in static_outputs) \
-            if isinstance(static_outputs, (tuple, list)) else static_outputs.clone()
-
-    replay.cuda_graph = graph  # type: ignore[attr-defined]
-    replay.written_inputs = written  # type: ignore[attr-defined]
-    return replay
+    return graph.replay, static_outputs
 
 
 # Names this project implements itself; everything else comes from torch's registry.

@@ -944,10 +944,47 @@ def make_branch_runner(gm: fx.GraphModule, name: str) -> Callable[..., Any]:
     return make_runner(spec)
 
 
+def replay_runner(spec: RunnerSpec, compiled: Any) -> Optional[Any]:
+    """The runner of a graph replay (`_C.GraphReplay`, csrc/graph_replay.h) when the
+    generated runner would only pass slots through: every graph input is an argument
+    slot itself (not an item or attribute of one), the forward returns the graph's
+    outputs as they are (one output, or a tuple of all of them in order), and nothing
+    is written after the graph (module state, objects passed in).  The replay then
+    takes the slots (and the training flags, which it ignores: they were folded) and
+    the C hit path calls it with no Python frame of ours.  None otherwise."""
+    if not isinstance(compiled, _C.GraphReplay) or compiled.single:
+        return None
+    layout = spec.output
+    if spec.state_writes or layout.writes:
+        return None
+    slots: list[int] = []
+    for node in spec.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = node.meta.get("nnscaler_input")
+        if source is None or source.keys:
+            return None
+        slots.append(source.slot)
+    outputs = len(compiled.outputs)
+    if len(slots) != len(compiled.inputs) or len(layout.leaves) != outputs or any(
+            leaf != GraphOutput(i) for i, leaf in enumerate(layout.leaves)):
+        return None
+    if layout.spec.is_leaf():
+        single = True
+    elif layout.spec.type is tuple and all(child.is_leaf() for child in layout.spec.children()):
+        single = False
+    else:
+        return None
+    return compiled.for_slots(tuple(slots), len(spec.slot_names) + len(spec.flag_names), single)
+
+
 def make_runner(
     spec: RunnerSpec, compiled: Optional[Callable[..., Any]] = None
 ) -> Callable[..., Any]:
     """Compile the runner for `spec` (see module docstring)."""
+    replay = replay_runner(spec, compiled)
+    if replay is not None:
+        return replay
     source, namespace = runner_source(spec, compiled)
     filename, entry = _register_source(spec.name, source)
     namespace["__name__"] = "nnscaler_eval.generated"

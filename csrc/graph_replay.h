@@ -1,0 +1,35 @@
+/* graph_replay.h - a recorded graph's replay as a C callable: the runner of an entry
+ * compiled for CUDA graphs (nnscaler_eval/runners/backends.py records the graph).
+ *
+ * A recording reads its inputs from fixed buffers and writes its outputs into fixed
+ * buffers.  GraphReplay(inputs, replay, written, outputs) is called with the graph's
+ * inputs, as the recorded graph would be, and:
+ *   - copies each argument that is not already its buffer's memory (same data
+ *     pointer, sizes, strides, dtype, device: a static KV cache passed every call)
+ *     into the buffer, refusing other sizes (the call key guarantees the recorded
+ *     ones on a hit; anyone else gets a ValueError, never a broadcast);
+ *   - calls replay() (torch.cuda.CUDAGraph.replay: its RNG seed and offset handling
+ *     is torch's);
+ *   - copies back into each argument the buffers the graph writes in place
+ *     (`written`), unless the argument is the buffer;
+ *   - returns clones of the outputs as a tuple, or the one output itself with
+ *     `single=True` (the next replay overwrites the buffers: torch's rule for CUDA
+ *     graph outputs); a value that is not a tensor is returned as it is.
+ * Parameters and buffers are not inputs (the graph reads them in place).
+ *
+ * `for_slots(slots, nargs, single)` is the same recording called with a frame's
+ * slots, as the C hit path calls an entry's runner: input i is argument slots[i] of
+ * the nargs given, and `single` returns the one output itself, not a tuple.  Such an
+ * entry runs no Python frame of this project on a hit (runners/codegen.py decides
+ * when the generated runner would only pass slots through).
+ *
+ * replay() is Python in the middle of the call: it may call this object again or drop
+ * every other reference to it; the object holds itself for the call. */
+#ifndef NNSCALER_GRAPH_REPLAY_H
+#define NNSCALER_GRAPH_REPLAY_H
+
+#include <Python.h>
+
+extern PyTypeObject GraphReplay_Type;
+
+#endif

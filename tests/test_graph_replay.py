@@ -1,0 +1,280 @@
+"""A recorded graph's replay run from C (`_C.GraphReplay`, csrc/graph_replay.h): the
+runner of entries compiled for CUDA graphs.  Everything but the recording itself is
+tested here on the CPU: a stand-in recording (`cpu_record`) reruns the graph on the
+static buffers, writing its outputs into the recorded output tensors, as a CUDA
+graph's replay does.  The bookkeeping (copies in, writes back, clones out, refusals)
+and the C hit path that calls the replay with no Python frame of ours are the same
+code a CUDA entry runs; tests/test_gpu.py runs the real recording on a GPU."""
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nnscaler
+from nnscaler_eval import _C
+from nnscaler_eval.runners import backends
+
+
+def cpu_record(gm, static_inputs):
+    """The recording's stand-in: the outputs of one run are the output buffers; a
+    replay runs the graph again on the input buffers (in-place writes included) and
+    writes its outputs into them."""
+    outputs = gm(*static_inputs)
+
+    def replay():
+        for buffer, fresh in zip(outputs, gm(*static_inputs)):
+            buffer.copy_(fresh)
+
+    return replay, outputs
+
+
+replays: list = []
+
+
+def cpu_replay_backend(gm, example_inputs):
+    backends.refuse_replay(gm, example_inputs, "cpu")
+    replay = backends.replayed(gm, example_inputs, cpu_record)
+    replays.append(replay)
+    return replay
+
+
+def entry_runner(module: nn.Module):
+    state = _C.code_state(type(module).forward.__code__) or {}
+    for bucket in state.get("buckets", []):
+        if bucket.self is module and bucket.entries:
+            return bucket.entries[0].runner
+    raise AssertionError("no cache entry for this module")
+
+
+# -- GraphReplay itself -----------------------------------------------------------------
+
+
+def doubler():
+    """A recording of `out = 2 * a; a += 1` on one input buffer."""
+    a, out = torch.zeros(3), torch.zeros(3)
+    ran = []
+
+    def replay():
+        ran.append(True)
+        out.copy_(a * 2)
+        a.add_(1)
+
+    return a, out, ran, _C.GraphReplay((a,), replay, (0,), (out,))
+
+
+def test_replay_copies_in_writes_back_and_clones_out():
+    a, out, ran, replay = doubler()
+    x = torch.arange(3.0)
+    first, = replay(x)
+    assert first.tolist() == [0.0, 2.0, 4.0] and x.tolist() == [1.0, 2.0, 3.0]
+    second, = replay(x)   # the next replay overwrites the buffers, not `first`
+    assert first.tolist() == [0.0, 2.0, 4.0] and second.tolist() == [2.0, 4.0, 6.0]
+    assert first.data_ptr() != out.data_ptr() != second.data_ptr()
+    assert x.tolist() == [2.0, 3.0, 4.0] and len(ran) == 2
+
+
+def test_an_argument_at_the_recorded_address_is_not_copied():
+    a, out, _, replay = doubler()
+    version = a._version
+    replay(a)             # the buffer itself: no copy in, no write back
+    assert a._version == version + 1          # only the graph's own write
+    assert a.tolist() == [1.0, 1.0, 1.0]
+    view = torch.zeros(6)[::2]                # same sizes, other memory: copied
+    replay(view)
+    assert view.tolist() == [1.0, 1.0, 1.0] and a.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_bad_arguments_say_what_was_wrong_and_leave_the_replay_usable():
+    a, _, ran, replay = doubler()
+    with pytest.raises(ValueError, match=r"input 0 has sizes \[4\], the recording's \[3\]"):
+        replay(torch.ones(4))
+    with pytest.raises(ValueError, match=r"sizes \[1\]"):
+        replay(torch.ones(1))                 # no broadcast
+    with pytest.raises(TypeError, match="takes torch.Tensor arguments, not int"):
+        replay(3)
+    with pytest.raises(TypeError, match="takes 1 arguments"):
+        replay()
+    with pytest.raises(TypeError, match="keyword"):
+        replay(x=torch.ones(3))
+    with pytest.raises(ValueError, match="meta or fake"):
+        replay(torch.ones(3, device="meta"))
+    assert not ran
+    assert replay(torch.ones(3))[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_construction_refuses_what_it_cannot_replay():
+    t = torch.zeros(2)
+    with pytest.raises(TypeError, match="must be tuples"):
+        _C.GraphReplay([t], lambda: None, (), (t,))
+    with pytest.raises(TypeError, match="must be callable"):
+        _C.GraphReplay((t,), 3, (), (t,))
+    with pytest.raises(IndexError, match="written input 1 out of range"):
+        _C.GraphReplay((t,), lambda: None, (1,), (t,))
+    with pytest.raises(ValueError, match="one output, not 2"):
+        _C.GraphReplay((t,), lambda: None, (), (t, t), single=True)
+    replay = _C.GraphReplay((t,), lambda: None, (), (t,))
+    with pytest.raises(IndexError, match="slot 5 out of range"):
+        replay.for_slots((5,), 2, False)
+    with pytest.raises(ValueError, match="tuple of 1 indices"):
+        replay.for_slots((0, 1), 2, False)
+
+
+def test_slot_form_picks_its_inputs_and_ignores_the_rest():
+    a, _, _, replay = doubler()
+    by_slot = replay.for_slots((2,), 4, True)
+    x = torch.arange(3.0)
+    out = by_slot(object(), "ignored", x, True)
+    assert out.tolist() == [0.0, 2.0, 4.0] and x.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        by_slot(x)
+
+
+def test_outputs_that_are_not_tensors_come_back_as_they_are():
+    t = torch.ones(2)
+    replay = _C.GraphReplay((t,), lambda: None, (), (t, 3, None))
+    out, three, none = replay(torch.ones(2))
+    assert three == 3 and none is None and out.data_ptr() != t.data_ptr()
+
+
+def test_python_in_the_middle_reenters_drops_references_and_raises():
+    t, out = torch.zeros(2), torch.zeros(2)
+    holder: dict = {}
+    depth = []
+
+    class Recording:
+        def __call__(self):
+            depth.append(len(depth))
+            if len(depth) == 1:
+                inner, = holder["replay"](torch.full((2,), 5.0))   # reentered
+                assert inner.tolist() == [5.0, 5.0]
+                holder.clear()                                     # the last other reference
+                gc.collect()
+            out.copy_(t)
+
+    recording = Recording()
+    probe = weakref.ref(recording)
+    holder["replay"] = _C.GraphReplay((t,), recording, (), (out,))
+    del recording
+    result, = holder["replay"](torch.ones(2))
+    # the outer copy-in happened before the inner one overwrote the buffer
+    assert result.tolist() == [5.0, 5.0] and depth == [0, 1]
+    assert probe() is None      # freed once the call that held it returned
+
+    def failing():
+        raise RuntimeError("the recording failed")
+
+    broken = _C.GraphReplay((t,), failing, (), (out,))
+    with pytest.raises(RuntimeError, match="the recording failed"):
+        broken(torch.ones(2))
+    assert sys.getrefcount(broken) == 2
+
+
+# -- through nnscaler.compile: the runner of a replay entry ----------------------------
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).relu() * 2
+
+
+class Pair(Net):
+    def forward(self, x, y):
+        h = self.fc(x)
+        return h + y, h.sum()
+
+
+class CacheWriter(Net):
+    """A static cache written in place (`index_copy_`), as a decode step's."""
+
+    def forward(self, x, cache, pos):
+        cache.index_copy_(0, pos, self.fc(x))
+        return cache.sum(0)
+
+
+class Nested(Net):
+    def forward(self, inputs):
+        return {"out": self.fc(inputs[0]) + inputs[1]}
+
+
+@pytest.mark.parametrize("model_cls, make_args", [
+    (Net, lambda i: (torch.randn(4, 8),)),
+    (Pair, lambda i: (torch.randn(4, 8), torch.randn(4, 8))),
+], ids=["one output", "tuple of outputs"])
+def test_a_replay_entry_runs_from_c_with_eager_answers(model_cls, make_args):
+    eager = model_cls().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    with torch.no_grad():
+        for i in range(4):
+            args = make_args(i)
+            torch.testing.assert_close(model(*args), eager(*args))
+    runner = entry_runner(model)
+    assert isinstance(runner, _C.GraphReplay)     # no generated Python in between
+    assert nnscaler.cache_info(model).hits == 3
+    # outputs handed out earlier are not overwritten by later replays
+    with torch.no_grad():
+        x = make_args(9)
+        first, second = model(*x), model(*make_args(10))
+        torch.testing.assert_close(first, eager(*x))
+        assert second is not first
+
+
+def test_a_cache_written_in_place_reaches_the_caller_as_in_eager():
+    eager = CacheWriter().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    cache_e, cache_o = torch.zeros(6, 8), torch.zeros(6, 8)
+    with torch.no_grad():
+        for step in range(5):
+            x, pos = torch.randn(1, 8), torch.tensor([step])
+            torch.testing.assert_close(model(x, cache_o, pos), eager(x, cache_e, pos))
+            torch.testing.assert_close(cache_o, cache_e)
+    assert isinstance(entry_runner(model), _C.GraphReplay)
+    assert nnscaler.cache_info(model).hits == 4
+
+
+def test_parameters_are_read_in_place_not_copied():
+    eager = Net().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)
+        for m in (eager, model):
+            m.fc.weight.mul_(-1)    # an in-place update (an optimizer step)
+        torch.testing.assert_close(model(x), eager(x))
+    assert all(p.data_ptr() not in {t.data_ptr() for t in replays[-1].inputs}
+               for p in model.parameters())
+
+
+def test_a_replay_under_a_generated_runner_when_slots_are_not_passed_through():
+    eager = Nested().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    with torch.no_grad():
+        for _ in range(3):
+            inputs = [torch.randn(2, 8), torch.randn(2, 8)]
+            torch.testing.assert_close(model(inputs), eager(inputs))
+    runner = entry_runner(model)
+    assert not isinstance(runner, _C.GraphReplay) and callable(runner)
+    assert nnscaler.cache_info(model).hits == 2
+
+
+def test_a_recording_is_refused_where_it_could_not_replay():
+    """Grad mode with parameters requiring grad: the backend refuses, and the graph
+    runs with the eager backend (one warning), with eager's answers and gradients."""
+    eager = Net()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    x = torch.randn(2, 8)
+    with pytest.warns(RuntimeWarning, match="inference only"):
+        out = model(x)
+    out.sum().backward()
+    eager(x).sum().backward()
+    torch.testing.assert_close(model.fc.weight.grad, eager.fc.weight.grad)
+    assert not isinstance(entry_runner(model), _C.GraphReplay)
