@@ -13,17 +13,39 @@ typedef struct {
     PyObject *replay;       /* callable(): runs the recording */
     PyObject *outputs;      /* tuple: the recording's outputs */
     PyObject *written;      /* tuple of ints: inputs the graph writes in place */
-    char *writes;           /* per input: 1 when in `written` (PyMem) */
+    PyObject *pinned;       /* tuple of ints: inputs whose buffer is the caller's tensor */
+    PyObject *moved;        /* callable(*inputs) for a pinned input elsewhere, or None */
+    char *flags;            /* per input: WRITTEN | PINNED (PyMem) */
     Py_ssize_t *slots;      /* NULL: the arguments are the inputs; else input i = args[slots[i]] */
     Py_ssize_t nargs;       /* the arguments expected */
     int single;             /* return outputs[0] itself */
 } GraphReplay;
+
+enum { WRITTEN = 1, PINNED = 2, CONSTANT = 4 };
+
+/* An input that is not a tensor (a size of a dynamic capture recorded per size, as
+ * an int) is part of the recording: the argument must equal it. */
+static int
+is_plain_tensor(PyObject *obj)
+{
+    PyTypeObject *tensor, *parameter;
+    return nns_tensor_classes(&tensor, &parameter) &&
+           (Py_IS_TYPE(obj, tensor) || Py_IS_TYPE(obj, parameter));
+}
 
 static int
 copy_in(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
 {
     PyObject *buffer = PyTuple_GET_ITEM(self->inputs, i);
     PyObject *arg = self->slots != NULL ? args[self->slots[i]] : args[i];
+    if (self->flags[i] & CONSTANT) {
+        int equal = arg == buffer ? 1 : PyObject_RichCompareBool(arg, buffer, Py_EQ);
+        if (equal == 0) {
+            PyErr_Format(PyExc_ValueError, "graph replay: input %zd is %R, the recording's %R",
+                         i, arg, buffer);
+        }
+        return equal == 1 ? 0 : -1;
+    }
     int same = nns_replay_same_memory(buffer, arg);
     if (same != 0) {
         return same < 0 ? -1 : 0;
@@ -67,6 +89,42 @@ output_clone(PyObject *value)
     return PyObject_CallMethod(value, "clone", NULL);   /* a tensor subclass: its own clone */
 }
 
+/* A pinned input's argument is not the recorded tensor: the recording cannot run
+ * (copying into the caller's earlier tensor would change it behind their back).
+ * `moved(*inputs)` answers instead, a tuple of outputs like the replay's. */
+static PyObject *
+call_moved(GraphReplay *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (self->moved == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "graph replay: a pinned input is not the recorded "
+                                          "tensor and no `moved` handler was given");
+        return NULL;
+    }
+    PyObject *small[8];
+    PyObject **inputs = n <= 8 ? small : PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
+    if (inputs == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        inputs[i] = self->slots != NULL ? args[self->slots[i]] : args[i];
+    }
+    PyObject *result = PyObject_Vectorcall(self->moved, inputs, (size_t)n, NULL);
+    if (inputs != small) {
+        PyMem_Free(inputs);
+    }
+    if (result == NULL || !self->single) {
+        return result;
+    }
+    if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 1) {
+        PyErr_SetString(PyExc_TypeError, "graph replay: `moved` must return a tuple of outputs");
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyObject *one = Py_NewRef(PyTuple_GET_ITEM(result, 0));
+    Py_DECREF(result);
+    return one;
+}
+
 static PyObject *
 graph_replay_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                         PyObject *kwnames)
@@ -83,10 +141,24 @@ graph_replay_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
         return NULL;
     }
     PyObject *result = NULL;
-    Py_INCREF(self);    /* replay() may drop every other reference */
+    Py_INCREF(self);    /* replay() and moved() may drop every other reference */
     Py_ssize_t n = PyTuple_GET_SIZE(self->inputs);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (copy_in(self, args, i) < 0) {
+        if (!(self->flags[i] & PINNED)) {
+            continue;
+        }
+        int same = nns_replay_same_memory(PyTuple_GET_ITEM(self->inputs, i),
+                                          self->slots != NULL ? args[self->slots[i]] : args[i]);
+        if (same < 0) {
+            goto done;
+        }
+        if (!same) {
+            result = call_moved(self, args, n);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(self->flags[i] & PINNED) && copy_in(self, args, i) < 0) {
             goto done;
         }
     }
@@ -96,7 +168,7 @@ graph_replay_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
     }
     Py_DECREF(ran);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (self->writes[i] && write_back(self, args, i) < 0) {
+        if ((self->flags[i] & WRITTEN) && write_back(self, args, i) < 0) {
             goto done;
         }
     }
@@ -123,14 +195,40 @@ done:
 
 /* A new GraphReplay of `inputs`, `replay`, `outputs` and `written` (checked here),
  * taking `nargs` arguments mapped by `slots` (NULL: the inputs themselves). */
+/* Sets `flag` in `flags` for each index of the tuple `indices` (checked: 0 <= i < n). */
+static int
+mark_inputs(char *flags, PyObject *indices, Py_ssize_t n, char flag, const char *what)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(indices); i++) {
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(indices, i));
+        if (index == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (index < 0 || index >= n) {
+            PyErr_Format(PyExc_IndexError, "GraphReplay: %s input %zd out of range (%zd inputs)",
+                         what, index, n);
+            return -1;
+        }
+        flags[index] |= flag;
+    }
+    return 0;
+}
+
 static PyObject *
 graph_replay_make(PyTypeObject *type, PyObject *inputs, PyObject *replay, PyObject *written,
-                  PyObject *outputs, const Py_ssize_t *slots, Py_ssize_t nargs, int single)
+                  PyObject *outputs, PyObject *pinned, PyObject *moved, const Py_ssize_t *slots,
+                  Py_ssize_t nargs, int single)
 {
-    if (!PyTuple_Check(inputs) || !PyTuple_Check(outputs) || !PyTuple_Check(written)) {
+    if (!PyTuple_Check(inputs) || !PyTuple_Check(outputs) || !PyTuple_Check(written) ||
+        !PyTuple_Check(pinned)) {
         PyErr_SetString(PyExc_TypeError,
-                        "GraphReplay(inputs, replay, written, outputs): inputs, written and "
-                        "outputs must be tuples");
+                        "GraphReplay(inputs, replay, written, outputs): inputs, written, "
+                        "outputs and pinned must be tuples");
+        return NULL;
+    }
+    if (moved != Py_None && !PyCallable_Check(moved)) {
+        PyErr_Format(PyExc_TypeError, "GraphReplay: moved must be callable or None, not %.200s",
+                     Py_TYPE(moved)->tp_name);
         return NULL;
     }
     if (!PyCallable_Check(replay)) {
@@ -153,26 +251,27 @@ graph_replay_make(PyTypeObject *type, PyObject *inputs, PyObject *replay, PyObje
     self->replay = Py_NewRef(replay);
     self->outputs = Py_NewRef(outputs);
     self->written = Py_NewRef(written);
+    self->pinned = Py_NewRef(pinned);
+    self->moved = Py_NewRef(moved);
     self->nargs = nargs;
     self->single = single;
-    self->writes = PyMem_Calloc((size_t)n + 1, 1);
-    if (self->writes == NULL) {
+    self->flags = PyMem_Calloc((size_t)n + 1, 1);
+    if (self->flags == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(written); i++) {
-        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(written, i));
-        if (index == -1 && PyErr_Occurred()) {
-            Py_DECREF(self);
-            return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* without torch's headers every input is taken for a tensor */
+        PyTypeObject *tensor, *parameter;
+        if (nns_tensor_classes(&tensor, &parameter) &&
+            !is_plain_tensor(PyTuple_GET_ITEM(inputs, i))) {
+            self->flags[i] = CONSTANT;
         }
-        if (index < 0 || index >= n) {
-            PyErr_Format(PyExc_IndexError, "GraphReplay: written input %zd out of range "
-                         "(%zd inputs)", index, n);
-            Py_DECREF(self);
-            return NULL;
-        }
-        self->writes[index] = 1;
+    }
+    if (mark_inputs(self->flags, written, n, WRITTEN, "written") < 0 ||
+        mark_inputs(self->flags, pinned, n, PINNED, "pinned") < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
     if (slots != NULL) {
         self->slots = PyMem_Malloc(sizeof(Py_ssize_t) * ((size_t)n + 1));
@@ -188,15 +287,23 @@ graph_replay_make(PyTypeObject *type, PyObject *inputs, PyObject *replay, PyObje
 static PyObject *
 graph_replay_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"inputs", "replay", "written", "outputs", "single", NULL};
-    PyObject *inputs, *replay, *written, *outputs;
+    static char *kwlist[] = {"inputs", "replay", "written", "outputs", "single", "pinned",
+                             "moved", NULL};
+    PyObject *inputs, *replay, *written, *outputs, *pinned = NULL, *moved = Py_None;
     int single = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$p:GraphReplay", kwlist, &inputs,
-                                     &replay, &written, &outputs, &single)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|$pOO:GraphReplay", kwlist, &inputs,
+                                     &replay, &written, &outputs, &single, &pinned, &moved)) {
         return NULL;
     }
-    return graph_replay_make(type, inputs, replay, written, outputs, NULL,
-                             PyTuple_Check(inputs) ? PyTuple_GET_SIZE(inputs) : 0, single);
+    PyObject *none = pinned == NULL ? PyTuple_New(0) : Py_NewRef(pinned);
+    if (none == NULL) {
+        return NULL;
+    }
+    PyObject *made = graph_replay_make(type, inputs, replay, written, outputs, none, moved, NULL,
+                                       PyTuple_Check(inputs) ? PyTuple_GET_SIZE(inputs) : 0,
+                                       single);
+    Py_DECREF(none);
+    return made;
 }
 
 static PyObject *
@@ -231,7 +338,8 @@ graph_replay_for_slots(GraphReplay *self, PyObject *args)
         }
     }
     PyObject *made = graph_replay_make(Py_TYPE(self), self->inputs, self->replay, self->written,
-                                       self->outputs, map, nargs, single);
+                                       self->outputs, self->pinned, self->moved, map, nargs,
+                                       single);
     PyMem_Free(map);
     return made;
 }
@@ -243,6 +351,8 @@ graph_replay_traverse(GraphReplay *self, visitproc visit, void *arg)
     Py_VISIT(self->replay);
     Py_VISIT(self->outputs);
     Py_VISIT(self->written);
+    Py_VISIT(self->pinned);
+    Py_VISIT(self->moved);
     return 0;
 }
 
@@ -253,6 +363,8 @@ graph_replay_clear(GraphReplay *self)
     Py_CLEAR(self->replay);
     Py_CLEAR(self->outputs);
     Py_CLEAR(self->written);
+    Py_CLEAR(self->pinned);
+    Py_CLEAR(self->moved);
     return 0;
 }
 
@@ -261,7 +373,7 @@ graph_replay_dealloc(GraphReplay *self)
 {
     PyObject_GC_UnTrack(self);
     graph_replay_clear(self);
-    PyMem_Free(self->writes);
+    PyMem_Free(self->flags);
     PyMem_Free(self->slots);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -272,6 +384,10 @@ static PyMemberDef graph_replay_members[] = {
     {"outputs", T_OBJECT, offsetof(GraphReplay, outputs), READONLY, "the output buffers"},
     {"written", T_OBJECT, offsetof(GraphReplay, written), READONLY,
      "the inputs the graph writes in place"},
+    {"pinned", T_OBJECT, offsetof(GraphReplay, pinned), READONLY,
+     "the inputs whose buffer is the caller's own tensor (never copied)"},
+    {"moved", T_OBJECT, offsetof(GraphReplay, moved), READONLY,
+     "called with the inputs when a pinned one is not the recorded tensor"},
     {"single", T_INT, offsetof(GraphReplay, single), READONLY,
      "returns the one output itself, not a tuple"},
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(GraphReplay, vectorcall), READONLY, NULL},
@@ -290,7 +406,8 @@ PyTypeObject GraphReplay_Type = {
     .tp_name = "nnscaler_eval._C.GraphReplay",
     .tp_basicsize = sizeof(GraphReplay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "GraphReplay(inputs, replay, written, outputs, *, single=False): a recorded "
+    .tp_doc = "GraphReplay(inputs, replay, written, outputs, *, single=False, pinned=(), "
+              "moved=None): a recorded "
               "graph's replay "
               "(csrc/graph_replay.h).",
     .tp_new = graph_replay_new,

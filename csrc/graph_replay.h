@@ -15,7 +15,16 @@
  *   - returns clones of the outputs as a tuple, or the one output itself with
  *     `single=True` (the next replay overwrites the buffers: torch's rule for CUDA
  *     graph outputs); a value that is not a tensor is returned as it is.
- * Parameters and buffers are not inputs (the graph reads them in place).
+ * An input that is not a tensor (an int size of a dynamic capture recorded per
+ * size) is part of the recording: its argument must equal it.  Parameters and
+ * buffers are not inputs (the graph reads them in place).
+ *
+ * `pinned` inputs (tensors marked with torch._dynamo.mark_static_address: a static
+ * KV cache) have the caller's own tensor as their buffer: never copied in or back.
+ * When a pinned input's argument is not that tensor's memory, nothing is copied and
+ * `moved(*inputs)` answers instead (runners/backends.py records the graph again for
+ * the new tensors); copying into the caller's earlier tensor would change it behind
+ * their back.
  *
  * `for_slots(slots, nargs, single)` is the same recording called with a frame's
  * slots, as the C hit path calls an entry's runner: input i is argument slots[i] of

@@ -65,8 +65,8 @@ def _generate_equal(compiled, reference, lengths, **kwargs):
     import warnings
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True, **kwargs)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
         for length in lengths:
             torch.manual_seed(length)
             ids = torch.randint(1, 64, (1, length), device="cuda")
@@ -74,6 +74,9 @@ def _generate_equal(compiled, reference, lengths, **kwargs):
             assert torch.equal(got.sequences, want.sequences), length
             for a, b in zip(got.scores, want.scores, strict=True):
                 torch.testing.assert_close(a, b, **TOL)
+    # every graph was compiled by the backend named (no fallback to the eager backend)
+    failed = [str(w.message) for w in caught if "failed to compile" in str(w.message)]
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("backend", ["eager", "cudagraphs"])

@@ -8,6 +8,7 @@ code a CUDA entry runs; tests/test_gpu.py runs the real recording on a GPU."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import sys
 import weakref
@@ -278,3 +279,127 @@ def test_a_recording_is_refused_where_it_could_not_replay():
     eager(x).sum().backward()
     torch.testing.assert_close(model.fc.weight.grad, eager.fc.weight.grad)
     assert not isinstance(entry_runner(model), _C.GraphReplay)
+
+
+# -- pinned inputs: tensors marked with torch._dynamo.mark_static_address --------------
+
+
+def test_a_pinned_input_is_never_copied_and_a_moved_one_goes_to_moved():
+    buffer, out = torch.zeros(3), torch.zeros(3)
+    met = []
+
+    def replay():
+        out.copy_(buffer + 1)
+
+    def moved(*inputs):
+        met.append(inputs)
+        return (inputs[0] * 10,)
+
+    replay_ = _C.GraphReplay((buffer,), replay, (), (out,), pinned=(0,), moved=moved)
+    version = buffer._version
+    assert replay_(buffer)[0].tolist() == [1.0, 1.0, 1.0]
+    assert buffer._version == version            # no copy in, none back
+    other = torch.ones(3)
+    assert replay_(other)[0].tolist() == [10.0, 10.0, 10.0]
+    assert met[0][0] is other and buffer.tolist() == [0.0, 0.0, 0.0]
+    by_slot = replay_.for_slots((1,), 2, True)
+    assert by_slot(None, other).tolist() == [10.0, 10.0, 10.0]   # moved's tuple unpacked
+    assert by_slot(None, buffer).tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="no `moved` handler"):
+        _C.GraphReplay((buffer,), replay, (), (out,), pinned=(0,))(other)
+    bad = _C.GraphReplay((buffer,), replay, (), (out,), pinned=(0,), moved=lambda x: x)
+    with pytest.raises(TypeError, match="must return a tuple"):
+        bad.for_slots((0,), 1, True)(other)
+    with pytest.raises(IndexError, match="pinned input 3 out of range"):
+        _C.GraphReplay((buffer,), replay, (), (out,), pinned=(3,), moved=moved)
+    with pytest.raises(TypeError, match="moved must be callable"):
+        _C.GraphReplay((buffer,), replay, (), (out,), pinned=(0,), moved=5)
+
+
+class CacheAccumulator(Net):
+    """A cache written in place by a write that is not idempotent (`index_add_`): a
+    recording that ran the graph on the caller's own tensor would show twice."""
+
+    def forward(self, x, cache, pos):
+        cache.index_add_(0, pos, self.fc(x))
+        return cache.sum(0) * 1.0
+
+
+def _static(t):
+    torch._dynamo.mark_static_address(t)
+    return t
+
+
+def test_a_static_address_cache_is_pinned_and_each_new_one_recorded_once():
+    from nnscaler_eval.runners import backends as b
+
+    eager = CacheAccumulator().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    caches = [(_static(torch.zeros(6, 8)), torch.zeros(6, 8)) for _ in range(b.MOVED_RECORDINGS + 3)]
+    first = caches[0][0]
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="least recently used"):
+        for ours, theirs in caches + caches[:2]:           # new caches, then old ones again
+            for step in range(3):
+                x, pos = torch.randn(1, 8), torch.tensor([step])
+                torch.testing.assert_close(model(x, ours, pos), eager(x, theirs, pos))
+                torch.testing.assert_close(ours, theirs)  # written once per call
+    replay = replays[-1]
+    assert replay.pinned == (1,) and replay.inputs[1] is first
+    assert isinstance(entry_runner(model), _C.GraphReplay)
+    version = first._version
+    with torch.no_grad():
+        model(torch.randn(1, 8), first, torch.tensor([5]))
+    assert first._version == version + 1                  # the graph's write only: no copies
+
+
+@dataclasses.dataclass
+class Cache:
+    buf: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(6, 8))
+
+
+class CacheObjectWriter(Net):
+    """A cache object passed in, its buffer written in place: the buffer is pinned
+    (state reached through an argument's attribute, written by the graph)."""
+
+    def forward(self, x, cache, pos):
+        cache.buf.index_add_(0, pos, self.fc(x))
+        return cache.buf.sum(0) + x
+
+
+def test_a_cache_objects_written_buffer_is_pinned_and_a_new_cache_recorded_once():
+    eager = CacheObjectWriter().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend=cpu_replay_backend)
+    before = len(replays)
+    with torch.no_grad():
+        for _ in range(3):                                   # a new cache per "generate"
+            ours, theirs = Cache(), Cache()
+            for step in range(4):
+                x, pos = torch.randn(1, 8), torch.tensor([step])
+                torch.testing.assert_close(model(x, ours, pos), eager(x, theirs, pos))
+                torch.testing.assert_close(ours.buf, theirs.buf)
+            version = ours.buf._version
+            model(torch.randn(1, 8), ours, torch.tensor([5]))
+            assert ours.buf._version == version + 1          # no copies in or back
+    replay = replays[before]
+    assert replay.pinned == (1,) and replay.written == (1,)
+    assert len(replay.moved.__self__.moved) == 2             # one recording per later cache
+    assert nnscaler.cache_info(model).captures == 1
+
+
+def test_generate_with_a_static_cache_through_a_replay_equals_eager():
+    """transformers' StaticCache through the replay: its buffers are pinned in the
+    decode step (never copied), each generate()'s new cache recorded once; tokens and
+    scores equal eager's."""
+    from test_kv_cache_inputs import _generate_equal, _model
+
+    torch.manual_seed(0)
+    reference = _model("llama").eval()
+    compiled = nnscaler.compile(copy.deepcopy(reference), backend=cpu_replay_backend)
+    before = len(replays)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+    _generate_equal(compiled, reference, (12, 5, 9), kwargs)
+    decode = [r for r in replays[before:] if len(r.inputs) > 6]
+    assert len(decode) == 1 and len(decode[0].pinned) == 6   # 2 layers' keys, values, lengths
+    assert set(decode[0].pinned) == set(decode[0].written)
+    assert len(decode[0].moved.__self__.moved) == 2          # the two later generate() calls

@@ -8,6 +8,8 @@ up in torch's backend registry ("inductor", "aot_eager", "cudagraphs", ...).
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -90,7 +92,8 @@ def cudagraphs(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
 
 def refuse_replay(gm: Any, example_inputs: list[Any], device_type: str) -> None:
     """Raise, saying why, when a recording of `gm` could not replay these inputs:
-    symbolic or fake inputs, an input that is not a tensor of `device_type`, or
+    symbolic or fake inputs, an input that is neither a tensor of `device_type` nor a
+    plain int, float or bool (the recording's own: a call must pass it again), or
     autograd needed (grad mode on with an input or a parameter requiring grad)."""
     symbolic = [i for i, t in enumerate(example_inputs)
                 if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool))
@@ -99,10 +102,12 @@ def refuse_replay(gm: Any, example_inputs: list[Any], device_type: str) -> None:
         raise ValueError(f"a graph recording takes concrete sizes; inputs {symbolic} are "
                          "symbolic")
     off_device = [i for i, t in enumerate(example_inputs)
-                  if not (isinstance(t, torch.Tensor) and t.device.type == device_type)]
+                  if not (isinstance(t, torch.Tensor) and t.device.type == device_type
+                          or type(t) in (int, float, bool))]
     if off_device:
-        raise ValueError(f"a {device_type} graph recording needs every graph input on a "
-                         f"{device_type} device; inputs {off_device} are not")
+        raise ValueError(f"a {device_type} graph recording needs every graph input to be a "
+                         f"tensor on a {device_type} device (or an int, float or bool, "
+                         f"recorded as it is); inputs {off_device} are not")
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and (any(t.requires_grad for t in tensors)
                                     or any(p.requires_grad for p in gm.parameters())):
@@ -110,21 +115,106 @@ def refuse_replay(gm: Any, example_inputs: list[Any], device_type: str) -> None:
                          "(or with requires_grad=False everywhere)")
 
 
-def replayed(gm: Any, example_inputs: list[Any],
-             record: Callable[[Any, list[Any]], tuple[Callable[[], Any], Any]]) -> Any:
+# Recordings of one graph for other pinned tensors (a new static KV cache per
+# generate() call): past this many, the oldest is dropped (its memory with it).
+MOVED_RECORDINGS = 8
+
+Record = Callable[[Any, list[Any]], tuple[Callable[[], Any], Any]]
+
+
+def replayed(gm: Any, example_inputs: list[Any], record: Record) -> Any:
     """The replay of `gm` recorded by `record(gm, static_inputs) -> (replay, outputs)`,
     which runs the graph on the static input buffers as often as its recording needs
     (warm-up included) and returns the callable that runs the recording again and the
-    recording's outputs.  Which inputs the graph writes in place is read from their
-    version counters across `record`: a view's write moves its base's."""
-    static_inputs = [t.clone() for t in example_inputs]
-    versions = [t._version for t in static_inputs]
-    replay, static_outputs = record(gm, static_inputs)
-    written = tuple(i for i, (t, v) in enumerate(zip(static_inputs, versions))
-                    if t._version != v)
-    single = not isinstance(static_outputs, (tuple, list))
-    outputs = (static_outputs,) if single else tuple(static_outputs)
-    return _C.GraphReplay(tuple(static_inputs), replay, written, outputs, single=single)
+    recording's outputs.
+
+    The buffers are copies of the example inputs, except for pinned tensors: those
+    marked with `torch._dynamo.mark_static_address`, and those the graph writes in
+    place that the call reached through an argument's items or attributes (a cache
+    object's buffers, which live across calls: transformers' StaticCache marks its
+    tensors only outside a compiler's trace).  A pinned input's buffer is the
+    caller's tensor (never copied), and what the recording's runs wrote into it is
+    undone after them.  A later call with other pinned tensors is recorded again for
+    them (at most MOVED_RECORDINGS kept): never a copy into the caller's earlier
+    tensor.  Which inputs the graph writes in
+    place is read from their version counters across `record`: a view's write moves
+    its base's."""
+    return _Recordings(gm, record).record(list(example_inputs))
+
+
+class _Recordings:
+    """One graph's recordings: the first, then one per other set of pinned tensors."""
+
+    def __init__(self, gm: Any, record: Record) -> None:
+        self.gm = gm
+        self.record_fn = record
+        self.pinned: tuple[int, ...] = ()
+        self.moved: dict[tuple, Any] = {}   # pinned tensors' layout -> GraphReplay
+        self.warned = False
+
+    def record(self, inputs: list[Any], pinned: Optional[tuple[int, ...]] = None) -> Any:
+        self.pinned = self._pinned(inputs) if pinned is None else pinned
+        static_inputs = [t if i in self.pinned or not isinstance(t, torch.Tensor) else t.clone()
+                         for i, t in enumerate(inputs)]
+        saved = {i: inputs[i].clone() for i in self.pinned}
+        versions = [getattr(t, "_version", None) for t in static_inputs]
+        replay, static_outputs = self.record_fn(self.gm, static_inputs)
+        written = tuple(i for i, (t, v) in enumerate(zip(static_inputs, versions))
+                        if v is not None and t._version != v)
+        with torch.no_grad():
+            for i in self.pinned:
+                if i in written:   # the recording's runs wrote the caller's tensor
+                    static_inputs[i].copy_(saved[i])
+        single = not isinstance(static_outputs, (tuple, list))
+        outputs = (static_outputs,) if single else tuple(static_outputs)
+        return _C.GraphReplay(tuple(static_inputs), replay, written, outputs, single=single,
+                              pinned=self.pinned, moved=self.moved_call if self.pinned else None)
+
+    def _pinned(self, inputs: list[Any]) -> tuple[int, ...]:
+        marked = {i for i, t in enumerate(inputs)
+                  if getattr(t, "_dynamo_static_input_type", None) is not None}
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        state = {i for i, node in enumerate(placeholders)
+                 if getattr(node.meta.get("nnscaler_input"), "keys", ())
+                 and isinstance(inputs[i], torch.Tensor)} - marked
+        if state:   # which of them the graph writes: one run on copies
+            probe = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+            versions = {i: probe[i]._version for i in state}
+            with torch.no_grad():
+                self.gm(*probe)
+            state = {i for i in state if probe[i]._version != versions[i]}
+        return tuple(sorted(marked | state))
+
+    def _layout(self, inputs: tuple[Any, ...]) -> tuple:
+        return tuple((inputs[i].data_ptr(), tuple(inputs[i].shape), inputs[i].stride(),
+                      inputs[i].dtype, inputs[i].device) for i in self.pinned)
+
+    def moved_call(self, *inputs: Any) -> Any:
+        """A call whose pinned tensors are not the first recording's: the recording for
+        them (made now if new), replayed; a tuple of outputs, as the first one's."""
+        layout = self._layout(inputs)
+        replay = self.moved.pop(layout, None)
+        if replay is None:
+            if len(self.moved) >= MOVED_RECORDINGS:
+                self.moved.pop(next(iter(self.moved)))   # the least recently used
+                if not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        f"nnscaler: a CUDA-graph entry met more than {MOVED_RECORDINGS} sets "
+                        "of static-address tensors (torch._dynamo.mark_static_address); the "
+                        "least recently used recording is dropped and made again when met",
+                        RuntimeWarning, stacklevel=2)
+            replay = _Recordings(self.gm, self.record_fn).record(list(inputs), self.pinned)
+        self.moved[layout] = replay
+        result = replay(*inputs)
+        return (result,) if replay.single else result
+
+
+# One memory pool per graph: every recording of an entry (per size, per set of pinned
+# tensors) allocates from it.  Safe because a replay's outputs are cloned before any
+# other recording of the graph replays: a recording may reuse memory another one's
+# intermediates used, never memory the caller still reads.
+_pools: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _record_cuda(gm: Any, static_inputs: list[Any]) -> tuple[Callable[[], Any], Any]:
@@ -135,8 +225,9 @@ def _record_cuda(gm: Any, static_inputs: list[Any]) -> tuple[Callable[[], Any], 
             gm(*static_inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=_pools.get(gm)):
         static_outputs = gm(*static_inputs)
+    _pools.setdefault(gm, graph.pool())
     return graph.replay, static_outputs
 
 
