@@ -339,3 +339,35 @@ def test_inductor_compiles_the_shared_block(handed_over) -> None:
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     assert len(_invokes(handed_over[-1])) == 3
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_later_calls_of_a_block_get_the_example_values_its_op_would_give(
+        handed_over, monkeypatch, train):
+    """The fake run that annotates a shared graph for the caches (backend_form.py) runs
+    a block's higher-order op on its first call only; each later call with operands of
+    equal metadata gets fresh fakes with its results' metadata.  They equal what
+    running the op for every call gives (the caches key on them)."""
+    from torch._subclasses.fake_tensor import extract_tensor_metadata
+
+    from nnscaler_eval.runners import backend_form
+
+    def annotations() -> list:
+        model = Stack([Block() for _ in range(4)])
+        x = torch.randn(3, 16, requires_grad=train)
+        _run_both(model, x, train=train)
+        gm = handed_over[-1]
+        invokes = _invokes(gm)
+        assert len(invokes) == 4
+        return [[extract_tensor_metadata(t) for t in node.meta["example_value"]]
+                for node in invokes]
+
+    copied = []
+    real_copy = backend_form._same_metadata
+    monkeypatch.setattr(backend_form, "_same_metadata",
+                        lambda t: copied.append(t) or real_copy(t))
+    reused = annotations()
+    assert copied          # later calls took the first one's metadata
+    monkeypatch.setattr(backend_form, "_block_call_key", lambda node, env: None)
+    assert annotations() == reused
+    assert all(meta == reused[0] for meta in reused)
