@@ -371,3 +371,26 @@ def test_later_calls_of_a_block_get_the_example_values_its_op_would_give(
     monkeypatch.setattr(backend_form, "_block_call_key", lambda node, env: None)
     assert annotations() == reused
     assert all(meta == reused[0] for meta in reused)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "fake run"])
+def test_block_keys_come_from_the_captures_run_without_a_second_fake_run(
+        handed_over, monkeypatch, recorded):
+    """The keys compare each call's inputs' and outputs' metadata as the capture's run
+    recorded them (capture/nodes.py): the plain graph is not run again on fakes, only
+    the shared one is (for the caches).  Without recorded metadata the plain graph is
+    run on fakes, and the same blocks are shared."""
+    from nnscaler_eval.runners import backend_form, block_reuse
+
+    if not recorded:
+        monkeypatch.setattr(block_reuse, "_recorded_metas", lambda *args: None)
+    runs = []
+    real = backend_form.annotate_example_values
+    monkeypatch.setattr(backend_form, "annotate_example_values",
+                        lambda gm, *args: runs.append(gm) or real(gm, *args))
+    model = Stack([Block() for _ in range(3)])
+    results, compiled = _run_both(model, torch.randn(3, 16), train=True)
+    _assert_same(results)
+    assert len(_invokes(handed_over[-1])) == 3
+    assert len(runs) == (1 if recorded else 2)
+    assert runs[-1] is handed_over[-1]

@@ -21,6 +21,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from nnscaler_eval.runners.block_reuse import VALUE_META, value_meta
+
 from nnscaler_eval.capture.calls import tensors_in
 
 
@@ -64,8 +66,12 @@ class NodeMap:
     # -- tensors -------------------------------------------------------------------
 
     def map(self, tensor: torch.Tensor, node: fx.Node, dynamic: Optional[str] = None) -> None:
-        """`tensor` is `node`'s value; `dynamic`: why its shape depends on data."""
+        """`tensor` is `node`'s value; `dynamic`: why its shape depends on data.  The
+        value's metadata as it is now goes into `node.meta[VALUE_META]`."""
         self.tensor_nodes[id(tensor)] = node
+        described = value_meta(tensor)
+        if described is not None:
+            node.meta[VALUE_META] = described
         self.keepalive.append(tensor)
         if dynamic:
             self.dynamic_shape[id(tensor)] = dynamic

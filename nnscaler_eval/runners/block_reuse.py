@@ -43,6 +43,24 @@ import torch.fx as fx
 
 from nnscaler_eval.runners import backend_form
 
+# node.meta key: the metadata of the node's value in the traced run (value_meta), set by
+# capture/nodes.py: what the keys compare, without running the graph again on fakes.
+VALUE_META = "nnscaler_value_meta"
+
+
+def value_meta(tensor: torch.Tensor) -> Optional[tuple]:
+    """(shape, stride, storage offset, dtype, device, requires_grad) of a tensor with
+    concrete sizes; None for a symbolic one."""
+    try:
+        shape, stride = tuple(tensor.shape), tensor.stride()
+        if any(type(d) is not int for d in (*shape, *stride)):
+            return None
+        return (shape, stride, tensor.storage_offset(), tensor.dtype, tensor.device,
+                tensor.requires_grad)
+    except Exception:   # a tensor without strides (sparse, nested): not described
+        return None
+
+
 # torch.compile backends that trace with AOTAutograd, which compiles each
 # invoke_subgraph identifier once.  Other backends get the plain graph.
 REUSING_BACKENDS = frozenset({"inductor", "aot_eager", "aot_eager_decomp_partition"})
@@ -88,17 +106,23 @@ def share_repeated_blocks(gm: fx.GraphModule, example_inputs: list[Any],
     if sum(len(c.members) >= MIN_OPS for c in calls.values()) < 2:
         return gm, []
     mode = backend_form._static_mode(example_inputs)
-    if mode is None or not backend_form.annotate_example_values(gm, mode, example_inputs):
+    if mode is None:
         return gm, []
+    metas = _recorded_metas(gm, example_inputs, calls.values())
+    if metas is None:   # the capture did not describe every value a block call needs
+        if not backend_form.annotate_example_values(gm, mode, example_inputs):
+            return gm, []
+        metas = {n: value_meta(n.meta["example_value"]) for n in gm.graph.nodes
+                 if isinstance(n.meta.get("example_value"), torch.Tensor)}
     try:
         for call in calls.values():
-            call.key = _key(call, inline_calls)
+            call.key = _key(call, inline_calls, metas)
         chosen = _choose(calls)
         groups: dict[Any, list[_Call]] = {}
         for call in chosen:
             groups.setdefault(call.key, []).append(call)
         groups = {k: g for k, g in groups.items() if len(g) >= 2
-                  and _safe_subgraph(_subgraph(g[0]), g[0], mode)}
+                  and _safe_subgraph(_subgraph(g[0]), g[0], mode, metas)}
         if not groups:
             return gm, []
         return _rewrite(gm, groups, inline_calls)
@@ -142,7 +166,32 @@ def _contiguous(call: _Call) -> bool:
     return True
 
 
-def _key(call: _Call, inline_calls: list) -> Any:
+def _recorded_metas(gm: fx.GraphModule, example_inputs: list[Any],
+                    calls: Any) -> Optional[dict[fx.Node, Optional[tuple]]]:
+    """Each node's value metadata as the capture's run recorded it (capture/nodes.py:
+    placeholders from the example inputs, get_attr nodes from the graph's attributes,
+    op results from `meta[VALUE_META]`), without running the graph again on fakes; None
+    when a candidate call's input or output has none (the caller runs the graph on
+    fakes instead)."""
+    metas: dict[fx.Node, Optional[tuple]] = {}
+    inputs = iter(example_inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = next(inputs, None)
+            metas[node] = value_meta(value) if isinstance(value, torch.Tensor) else None
+        elif node.op == "get_attr":
+            value = backend_form._attr(gm, str(node.target))
+            metas[node] = value_meta(value) if isinstance(value, torch.Tensor) else None
+        elif VALUE_META in node.meta:
+            metas[node] = node.meta[VALUE_META]
+    for call in calls:
+        if len(call.members) >= MIN_OPS and any(
+                metas.get(n) is None for n in call.inputs + call.outputs):
+            return None
+    return metas
+
+
+def _key(call: _Call, inline_calls: list, metas: dict) -> Any:
     """What two calls must have equal to share a subgraph, or None if this call
     cannot be one."""
     if len(call.members) < MIN_OPS or not call.outputs or not _contiguous(call):
@@ -164,14 +213,11 @@ def _key(call: _Call, inline_calls: list) -> Any:
         except _NotComparable:
             return None
         nodes.append((node.op, _target_key(node.target), args))
-    metas = []
-    for value in [n.meta.get("example_value") for n in call.inputs + call.outputs]:
-        if not isinstance(value, torch.Tensor):
-            return None
-        metas.append((tuple(value.shape), tuple(value.stride()), value.storage_offset(),
-                      value.dtype, value.device, value.requires_grad))
+    described = tuple(metas.get(n) for n in call.inputs + call.outputs)
+    if any(d is None for d in described):
+        return None
     outputs = tuple(position[n] for n in call.outputs)
-    return (cls, code, tuple(nodes), tuple(metas), outputs)
+    return (cls, code, tuple(nodes), described, outputs)
 
 
 class _NotComparable(Exception):
@@ -227,7 +273,6 @@ def _subgraph(call: _Call) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(call.inputs):
         env[node] = graph.placeholder(f"arg{i}")
-        env[node].meta["example_value"] = node.meta.get("example_value")
     for node in call.members:
         env[node] = graph.node_copy(node, env.__getitem__)
         for name in (CALLS_META, "nn_module_stack"):
@@ -236,13 +281,14 @@ def _subgraph(call: _Call) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph, class_name="SharedBlock")
 
 
-def _safe_subgraph(sub: fx.GraphModule, call: _Call, mode: Any) -> bool:
+def _safe_subgraph(sub: fx.GraphModule, call: _Call, mode: Any, metas: dict) -> bool:
     """Can invoke_subgraph stand for it: no input written, no output a view of an
     input or of another output?"""
     with mode:
-        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                 .requires_grad_(v.requires_grad)
-                 for v in (n.meta["example_value"] for n in call.inputs)]
+        fakes = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                 .requires_grad_(requires_grad)
+                 for shape, stride, _, dtype, device, requires_grad
+                 in (metas[n] for n in call.inputs)]
     versions = [f._version for f in fakes]
     grad = torch.is_grad_enabled()
     try:
