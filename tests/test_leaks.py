@@ -174,3 +174,39 @@ def test_hooked_submodule_hits_and_disarmed_calls_do_not_leak():
 
     assert_flat(workload)
     assert nnscaler.cache_info(m).hits >= 40_000
+
+
+def test_graph_replays_do_not_leak():
+    """_C.GraphReplay (csrc/graph_replay.c): copies in and back, clones out, the slot
+    form as an entry's runner, a pinned input's moved call, and each error path."""
+    from nnscaler_eval import _C
+
+    buffer, pinned, out = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+
+    def replay():
+        out.copy_(buffer + pinned)
+        buffer.add_(1)
+
+    def moved(*inputs):
+        return (inputs[0] + inputs[1],)
+
+    def workload():
+        for _ in range(50):
+            r = _C.GraphReplay((buffer, pinned, 3), replay, (0,), (out, None),
+                               pinned=(1,), moved=moved)
+            x = torch.ones(4)
+            r(x, pinned, 3)
+            r(x, torch.ones(4), 3)                   # moved
+            r.for_slots((2, 0, 1), 3, False)(pinned, 3, x)
+            for bad in ((torch.ones(5), pinned, 3), (x, pinned, 4), (x, pinned),
+                        ("x", pinned, 3)):
+                try:
+                    r(*bad)
+                except (TypeError, ValueError):
+                    pass
+            try:
+                _C.GraphReplay((buffer,), replay, (2,), (out,))
+            except IndexError:
+                pass
+
+    assert_flat(workload)

@@ -136,9 +136,8 @@ def replayed(gm: Any, example_inputs: list[Any], record: Record) -> Any:
     caller's tensor (never copied), and what the recording's runs wrote into it is
     undone after them.  A later call with other pinned tensors is recorded again for
     them (at most MOVED_RECORDINGS kept): never a copy into the caller's earlier
-    tensor.  Which inputs the graph writes in
-    place is read from their version counters across `record`: a view's write moves
-    its base's."""
+    tensor.  Which inputs the graph writes in place is read from their version
+    counters across `record`: a view's write moves its base's."""
     return _Recordings(gm, record).record(list(example_inputs))
 
 
