@@ -20,6 +20,7 @@ import torch.nn as nn
 import nnscaler
 from nnscaler_eval import _C
 from nnscaler_eval.runners import backends
+from test_direct_calls import entry_runner
 
 
 def cpu_record(gm, static_inputs):
@@ -43,14 +44,6 @@ def cpu_replay_backend(gm, example_inputs):
     replay = backends.replayed(gm, example_inputs, cpu_record)
     replays.append(replay)
     return replay
-
-
-def entry_runner(module: nn.Module):
-    state = _C.code_state(type(module).forward.__code__) or {}
-    for bucket in state.get("buckets", []):
-        if bucket.self is module and bucket.entries:
-            return bucket.entries[0].runner
-    raise AssertionError("no cache entry for this module")
 
 
 # -- GraphReplay itself -----------------------------------------------------------------
