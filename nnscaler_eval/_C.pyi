@@ -95,6 +95,21 @@ class CompiledFunction:
     def __init__(self, fn: Callable[..., Any], config: CompileConfig) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
+class GraphReplay:
+    """A recorded graph's replay (csrc/graph_replay.h)."""
+    inputs: tuple[Any, ...]
+    replay: Callable[[], Any]
+    outputs: tuple[Any, ...]
+    written: tuple[int, ...]
+    pinned: tuple[int, ...]
+    moved: Callable[..., Any] | None
+    single: int
+    def __init__(self, inputs: tuple[Any, ...], replay: Callable[[], Any],
+                 written: tuple[int, ...], outputs: tuple[Any, ...], *, single: bool = ...,
+                 pinned: tuple[int, ...] = ..., moved: Callable[..., Any] | None = ...) -> None: ...
+    def for_slots(self, slots: tuple[int, ...], nargs: int, single: bool) -> GraphReplay: ...
+    def __call__(self, *inputs: Any) -> Any: ...
+
 def install(ifexpr: Callable[..., Any], convert_frame: Callable[..., Any], rewrite_mode: object,
             run_eagerly: object, run_disarmed: object, module_type: type, tensor_type: type,
             is_grad_enabled: Callable[[], bool], global_hook_dicts: tuple[dict, ...],
