@@ -44,7 +44,7 @@ def _documented_params(obj: object, name: str) -> list[str] | None:
     params = []
     for part in match.group(2).replace("\n", " ").split(","):
         part = part.split("=")[0].strip()
-        if part and part != "/":
+        if part and part not in ("/", "*"):   # markers, not parameters
             params.append(part)
     return params
 
