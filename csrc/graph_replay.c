@@ -406,10 +406,9 @@ PyTypeObject GraphReplay_Type = {
     .tp_name = "nnscaler_eval._C.GraphReplay",
     .tp_basicsize = sizeof(GraphReplay),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "GraphReplay(inputs, replay, written, outputs, *, single=False, pinned=(), "
-              "moved=None): a recorded "
-              "graph's replay "
-              "(csrc/graph_replay.h).",
+    .tp_doc = "GraphReplay(inputs, replay, written, outputs, *, single, pinned, moved): a "
+              "recorded graph's replay (csrc/graph_replay.h); the keyword-only arguments are "
+              "optional: single False, pinned no input, moved None.",
     .tp_new = graph_replay_new,
     .tp_dealloc = (destructor)graph_replay_dealloc,
     .tp_traverse = (traverseproc)graph_replay_traverse,
