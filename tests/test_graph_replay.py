@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import sys
 import weakref
 
 import pytest
@@ -160,13 +159,19 @@ def test_python_in_the_middle_reenters_drops_references_and_raises():
     assert result.tolist() == [5.0, 5.0] and depth == [0, 1]
     assert probe() is None      # freed once the call that held it returned
 
-    def failing():
-        raise RuntimeError("the recording failed")
+    class Failing:
+        def __call__(self):
+            raise RuntimeError("the recording failed")
 
+    failing = Failing()
+    failed = weakref.ref(failing)
     broken = _C.GraphReplay((t,), failing, (), (out,))
+    del failing
     with pytest.raises(RuntimeError, match="the recording failed"):
         broken(torch.ones(2))
-    assert sys.getrefcount(broken) == 2
+    del broken      # the failed call kept no reference to it: it and its recording go
+    gc.collect()
+    assert failed() is None
 
 
 # -- through nnscaler.compile: the runner of a replay entry ----------------------------
