@@ -204,15 +204,29 @@ def _block_call_key(n: fx.Node, env: dict) -> Optional[tuple]:
     for arg in n.args[2:]:
         value = env[arg] if isinstance(arg, fx.Node) else arg
         if isinstance(value, torch.Tensor):
-            if any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride())):
+            described = tensor_metadata(value)
+            if described is None:
                 return None
-            parts.append((tuple(value.shape), value.stride(), value.storage_offset(),
-                          value.dtype, value.device, value.requires_grad))
+            parts.append(described)
         elif isinstance(value, (int, float, bool, str, type(None))):
             parts.append((type(value), value))
         else:
             return None
     return tuple(parts)
+
+
+def tensor_metadata(tensor: torch.Tensor) -> Optional[tuple]:
+    """(shape, stride, storage offset, dtype, device, requires_grad) of a tensor whose
+    attributes are torch's own (a plain tensor, a fake one); None for symbolic sizes
+    or a layout without strides."""
+    try:
+        shape, stride = tuple(tensor.shape), tensor.stride()
+        if any(type(d) is not int for d in (*shape, *stride)):
+            return None
+        return (shape, stride, tensor.storage_offset(), tensor.dtype, tensor.device,
+                tensor.requires_grad)
+    except Exception:   # a tensor without strides (sparse, nested): not described
+        return None
 
 
 def _same_metadata(t: torch.Tensor) -> torch.Tensor:

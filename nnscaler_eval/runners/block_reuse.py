@@ -54,20 +54,7 @@ def value_meta(tensor: torch.Tensor) -> Optional[tuple]:
     sizes; None for a symbolic one or a subclass, whose attributes may be user code."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    return _metadata(tensor)
-
-
-def _metadata(tensor: torch.Tensor) -> Optional[tuple]:
-    """value_meta's tuple for any tensor whose attributes are torch's own (a plain
-    tensor, a fake one); None for symbolic sizes or a layout without strides."""
-    try:
-        shape, stride = tuple(tensor.shape), tensor.stride()
-        if any(type(d) is not int for d in (*shape, *stride)):
-            return None
-        return (shape, stride, tensor.storage_offset(), tensor.dtype, tensor.device,
-                tensor.requires_grad)
-    except Exception:   # a tensor without strides (sparse, nested): not described
-        return None
+    return backend_form.tensor_metadata(tensor)
 
 
 # torch.compile backends that trace with AOTAutograd, which compiles each
@@ -121,7 +108,7 @@ def share_repeated_blocks(gm: fx.GraphModule, example_inputs: list[Any],
     if metas is None:   # the capture did not describe every value a block call needs
         if not backend_form.annotate_example_values(gm, mode, example_inputs):
             return gm, []
-        metas = {n: _metadata(n.meta["example_value"]) for n in gm.graph.nodes
+        metas = {n: backend_form.tensor_metadata(n.meta["example_value"]) for n in gm.graph.nodes
                  if isinstance(n.meta.get("example_value"), torch.Tensor)}
     try:
         for call in calls.values():
