@@ -15,13 +15,14 @@ typedef struct {
     PyObject *written;      /* tuple of ints: inputs the graph writes in place */
     PyObject *pinned;       /* tuple of ints: inputs whose buffer is the caller's tensor */
     PyObject *moved;        /* callable(*inputs) for a pinned input elsewhere, or None */
+    PyObject *kept;         /* NULL, or per output None or the sizes handed out (for_sizes) */
     char *flags;            /* per input: WRITTEN | PINNED (PyMem) */
     Py_ssize_t *slots;      /* NULL: the arguments are the inputs; else input i = args[slots[i]] */
     Py_ssize_t nargs;       /* the arguments expected */
     int single;             /* return outputs[0] itself */
 } GraphReplay;
 
-enum { WRITTEN = 1, PINNED = 2, CONSTANT = 4 };
+enum { WRITTEN = 1, PINNED = 2, CONSTANT = 4, FREE = 8 };
 
 /* An input that is not a tensor (a size of a dynamic capture recorded per size, as
  * an int) is part of the recording: the argument must equal it. */
@@ -38,6 +39,9 @@ copy_in(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
 {
     PyObject *buffer = PyTuple_GET_ITEM(self->inputs, i);
     PyObject *arg = self->slots != NULL ? args[self->slots[i]] : args[i];
+    if (self->flags[i] & FREE) {
+        return 0;   /* a size of the call: the recording runs at its own (for_sizes) */
+    }
     if (self->flags[i] & CONSTANT) {
         int equal = arg == buffer ? 1 : PyObject_RichCompareBool(arg, buffer, Py_EQ);
         if (equal == 0) {
@@ -52,7 +56,7 @@ copy_in(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
     }
     char what[48];
     PyOS_snprintf(what, sizeof(what), "input %zd", i);
-    return nns_replay_copy(buffer, arg, what);
+    return nns_replay_copy(buffer, arg, what, self->kept != NULL);
 }
 
 static int
@@ -66,18 +70,19 @@ write_back(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
     }
     char what[48];
     PyOS_snprintf(what, sizeof(what), "input %zd (written back)", i);
-    return nns_replay_copy(arg, buffer, what);
+    return nns_replay_copy(arg, buffer, what, 0);
 }
 
 /* An output handed to the caller: a clone of a tensor (the next replay overwrites
- * the recording's), any other value as it is. */
+ * the recording's), of its leading `sizes` only when not NULL, any other value as it
+ * is. */
 static PyObject *
-output_clone(PyObject *value)
+output_clone(PyObject *value, PyObject *sizes)
 {
     PyTypeObject *tensor, *parameter;
     if (nns_tensor_classes(&tensor, &parameter)) {
         if (Py_IS_TYPE(value, tensor) || Py_IS_TYPE(value, parameter)) {
-            return nns_replay_clone(value);
+            return nns_replay_clone(value, sizes);
         }
         if (!PyObject_TypeCheck(value, tensor)) {
             return Py_NewRef(value);
@@ -87,6 +92,17 @@ output_clone(PyObject *value)
         return Py_NewRef(value);
     }
     return PyObject_CallMethod(value, "clone", NULL);   /* a tensor subclass: its own clone */
+}
+
+/* The sizes of output i handed out (for_sizes), or NULL for all of it. */
+static PyObject *
+kept_sizes(GraphReplay *self, Py_ssize_t i)
+{
+    if (self->kept == NULL) {
+        return NULL;
+    }
+    PyObject *sizes = PyTuple_GET_ITEM(self->kept, i);
+    return sizes == Py_None ? NULL : sizes;
 }
 
 /* A pinned input's argument is not the recorded tensor: the recording cannot run
@@ -174,14 +190,14 @@ graph_replay_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
     }
     Py_ssize_t m = PyTuple_GET_SIZE(self->outputs);
     if (self->single) {
-        result = output_clone(PyTuple_GET_ITEM(self->outputs, 0));
+        result = output_clone(PyTuple_GET_ITEM(self->outputs, 0), kept_sizes(self, 0));
         goto done;
     }
     if ((result = PyTuple_New(m)) == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *item = output_clone(PyTuple_GET_ITEM(self->outputs, i));
+        PyObject *item = output_clone(PyTuple_GET_ITEM(self->outputs, i), kept_sizes(self, i));
         if (item == NULL) {
             Py_CLEAR(result);
             goto done;
@@ -337,11 +353,69 @@ graph_replay_for_slots(GraphReplay *self, PyObject *args)
             return NULL;
         }
     }
-    PyObject *made = graph_replay_make(Py_TYPE(self), self->inputs, self->replay, self->written,
-                                       self->outputs, self->pinned, self->moved, map, nargs,
-                                       single);
+    GraphReplay *made = (GraphReplay *)graph_replay_make(
+        Py_TYPE(self), self->inputs, self->replay, self->written, self->outputs, self->pinned,
+        self->moved, map, nargs, single);
     PyMem_Free(map);
-    return made;
+    if (made != NULL && self->kept != NULL) {   /* a bucket's call stays one */
+        made->kept = Py_NewRef(self->kept);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            made->flags[i] |= self->flags[i] & FREE;
+        }
+    }
+    return (PyObject *)made;
+}
+
+static PyObject *
+graph_replay_for_sizes(GraphReplay *self, PyObject *args)
+{
+    PyObject *free, *kept;
+    if (!PyArg_ParseTuple(args, "O!O!:for_sizes", &PyTuple_Type, &free, &PyTuple_Type, &kept)) {
+        return NULL;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(self->outputs);
+    if (PyTuple_GET_SIZE(kept) != m) {
+        PyErr_Format(PyExc_ValueError, "for_sizes: kept must have one entry per output (%zd)", m);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *sizes = PyTuple_GET_ITEM(kept, i);
+        if (sizes == Py_None) {
+            continue;
+        }
+        if (!PyTuple_Check(sizes)) {
+            PyErr_Format(PyExc_TypeError, "for_sizes: output %zd's sizes must be a tuple of "
+                         "ints or None, not %.200s", i, Py_TYPE(sizes)->tp_name);
+            return NULL;
+        }
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(sizes); d++) {
+            if (!PyLong_Check(PyTuple_GET_ITEM(sizes, d))) {
+                PyErr_Format(PyExc_TypeError, "for_sizes: output %zd's sizes must be ints", i);
+                return NULL;
+            }
+        }
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(self->inputs);
+    GraphReplay *made = (GraphReplay *)graph_replay_make(
+        Py_TYPE(self), self->inputs, self->replay, self->written, self->outputs, self->pinned,
+        self->moved, self->slots, self->nargs, self->single);
+    if (made == NULL) {
+        return NULL;
+    }
+    if (mark_inputs(made->flags, free, n, FREE, "free") < 0) {
+        Py_DECREF(made);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((made->flags[i] & FREE) && !(made->flags[i] & CONSTANT)) {
+            PyErr_Format(PyExc_ValueError, "for_sizes: free input %zd is a tensor (only a "
+                         "size given as a number may differ from the recording's)", i);
+            Py_DECREF(made);
+            return NULL;
+        }
+    }
+    made->kept = Py_NewRef(kept);
+    return (PyObject *)made;
 }
 
 static int
@@ -353,6 +427,7 @@ graph_replay_traverse(GraphReplay *self, visitproc visit, void *arg)
     Py_VISIT(self->written);
     Py_VISIT(self->pinned);
     Py_VISIT(self->moved);
+    Py_VISIT(self->kept);
     return 0;
 }
 
@@ -365,6 +440,7 @@ graph_replay_clear(GraphReplay *self)
     Py_CLEAR(self->written);
     Py_CLEAR(self->pinned);
     Py_CLEAR(self->moved);
+    Py_CLEAR(self->kept);
     return 0;
 }
 
@@ -390,6 +466,8 @@ static PyMemberDef graph_replay_members[] = {
      "called with the inputs when a pinned one is not the recorded tensor"},
     {"single", T_INT, offsetof(GraphReplay, single), READONLY,
      "returns the one output itself, not a tuple"},
+    {"kept", T_OBJECT, offsetof(GraphReplay, kept), READONLY,
+     "None, or per output None or the leading sizes handed out (for_sizes)"},
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(GraphReplay, vectorcall), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
@@ -398,6 +476,11 @@ static PyMethodDef graph_replay_methods[] = {
     {"for_slots", (PyCFunction)graph_replay_for_slots, METH_VARARGS,
      "for_slots(slots, nargs, single): this recording called with a frame's nargs slots "
      "(input i is slot slots[i]); `single` returns the one output itself."},
+    {"for_sizes", (PyCFunction)graph_replay_for_sizes, METH_VARARGS,
+     "for_sizes(free, kept): this recording run for a call of smaller sizes (a padded "
+     "bucket): each tensor argument is copied into the leading positions of its buffer, "
+     "the int inputs in `free` are the call's own sizes (the recording's are used), and "
+     "output i is cut back to the sizes kept[i] (None: all of it)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,6 +3,7 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "tensor_meta.h"
 
@@ -100,10 +101,62 @@ nns_replay_same_memory(PyObject *a, PyObject *b)
 #endif
 }
 
+#ifdef NNS_NO_TORCH_HEADERS
+/* `t[:n0, :n1, ...]` for the sizes of `like` (a tensor) or the tuple `sizes`,
+ * through the tensor's own methods. */
+static PyObject *
+leading_view(PyObject *t, PyObject *sizes)
+{
+    PyObject *view = Py_NewRef(t);
+    for (Py_ssize_t d = 0; view != NULL && d < PyTuple_GET_SIZE(sizes); d++) {
+        Py_SETREF(view, PyObject_CallMethod(view, "narrow", "nnO", d, (Py_ssize_t)0,
+                                            PyTuple_GET_ITEM(sizes, d)));
+    }
+    return view;
+}
+#else
+/* `t[:n0, :n1, ...]` for `sizes`, refusing (ValueError naming `what`) a size larger
+ * than t's or another number of dimensions. */
+static bool
+leading_view(const at::Tensor &t, c10::IntArrayRef sizes, const char *what, at::Tensor *out)
+{
+    if ((int64_t)sizes.size() != t.dim()) {
+        PyErr_Format(PyExc_ValueError, "graph replay: %s has %zd dimensions, the recording's %zd",
+                     what, (Py_ssize_t)sizes.size(), (Py_ssize_t)t.dim());
+        return false;
+    }
+    at::Tensor view = t;
+    for (int64_t d = 0; d < t.dim(); d++) {
+        if (sizes[d] > t.sizes()[d] || sizes[d] < 0) {
+            PyErr_Format(PyExc_ValueError, "graph replay: %s has size %lld in dimension %lld, "
+                         "more than the recording's %lld", what, (long long)sizes[d],
+                         (long long)d, (long long)t.sizes()[d]);
+            return false;
+        }
+        if (sizes[d] != t.sizes()[d]) {
+            view = view.narrow(d, 0, sizes[d]);
+        }
+    }
+    *out = view;
+    return true;
+}
+#endif
+
 extern "C" int
-nns_replay_copy(PyObject *dst, PyObject *src, const char *what)
+nns_replay_copy(PyObject *dst, PyObject *src, const char *what, int prefix)
 {
 #ifdef NNS_NO_TORCH_HEADERS
+    if (prefix) {
+        PyObject *sizes = PyObject_GetAttrString(src, "shape");
+        PyObject *view = sizes == NULL ? NULL : leading_view(dst, sizes);
+        Py_XDECREF(sizes);
+        if (view == NULL) {
+            return -1;
+        }
+        int done = nns_replay_copy(view, src, what, 0);
+        Py_DECREF(view);
+        return done;
+    }
     PyObject *ds = PyObject_GetAttrString(dst, "shape");
     PyObject *ss = ds == NULL ? NULL : PyObject_GetAttrString(src, "shape");
     int equal = ss == NULL ? -1 : PyObject_RichCompareBool(ds, ss, Py_EQ);
@@ -132,13 +185,18 @@ nns_replay_copy(PyObject *dst, PyObject *src, const char *what)
         return -1;
     }
     try {
-        if (target->sizes() != source->sizes()) {
-            PyErr_Format(PyExc_ValueError, "graph replay: %s has sizes %s, the recording's %s",
-                         what, sizes_text(*source).c_str(), sizes_text(*target).c_str());
+        at::Tensor view = *target;
+        if (target->sizes() != source->sizes() &&
+            (!prefix || !leading_view(*target, source->sizes(), what, &view))) {
+            if (!prefix) {
+                PyErr_Format(PyExc_ValueError, "graph replay: %s has sizes %s, the "
+                             "recording's %s", what, sizes_text(*source).c_str(),
+                             sizes_text(*target).c_str());
+            }
             return -1;
         }
         at::AutoGradMode no_grad(false);
-        const_cast<at::Tensor *>(target)->copy_(*source);
+        view.copy_(*source);
         return 0;
     }
     catch (const std::exception &e) {
@@ -149,20 +207,35 @@ nns_replay_copy(PyObject *dst, PyObject *src, const char *what)
 }
 
 extern "C" PyObject *
-nns_replay_clone(PyObject *t)
+nns_replay_clone(PyObject *t, PyObject *sizes)
 {
 #ifdef NNS_NO_TORCH_HEADERS
-    return PyObject_CallMethod(t, "clone", NULL);
+    PyObject *view = sizes == NULL ? Py_NewRef(t) : leading_view(t, sizes);
+    PyObject *copy = view == NULL ? NULL : PyObject_CallMethod(view, "clone", NULL);
+    Py_XDECREF(view);
+    return copy;
 #else
     const at::Tensor *tensor = unpack(t);
     if (tensor == nullptr) {
         return nullptr;
     }
+    std::vector<int64_t> kept;
+    if (sizes != NULL) {
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(sizes); d++) {
+            kept.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d)));
+            if (kept.back() == -1 && PyErr_Occurred()) {
+                return nullptr;
+            }
+        }
+    }
     try {
-        at::Tensor copy;
+        at::Tensor copy, view = *tensor;
+        if (sizes != NULL && !leading_view(*tensor, kept, "an output", &view)) {
+            return nullptr;
+        }
         {
             at::AutoGradMode no_grad(false);
-            copy = tensor->clone();
+            copy = view.clone();
         }
         return THPVariable_Wrap(std::move(copy));
     }

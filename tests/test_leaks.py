@@ -178,7 +178,8 @@ def test_hooked_submodule_hits_and_disarmed_calls_do_not_leak():
 
 def test_graph_replays_do_not_leak():
     """_C.GraphReplay (csrc/graph_replay.c): copies in and back, clones out, the slot
-    form as an entry's runner, a pinned input's moved call, and each error path."""
+    form as an entry's runner, a pinned input's moved call, a bucket's call
+    (`for_sizes`), and each error path."""
     from nnscaler_eval import _C
 
     buffer, pinned, out = torch.zeros(4), torch.zeros(4), torch.zeros(4)
@@ -208,5 +209,20 @@ def test_graph_replays_do_not_leak():
                 _C.GraphReplay((buffer,), replay, (2,), (out,))
             except IndexError:
                 pass
+            # a bucket's call: leading positions copied in and cloned out
+            sized = _C.GraphReplay((buffer, 8), replay, (), (out, None)).for_sizes(
+                (1,), ((2,), None))
+            sized(torch.ones(2), 5)
+            sized.for_slots((1, 0), 2, False)(5, torch.ones(3))
+            for bad in ((torch.ones(6), 5), (torch.ones(2, 1), 5)):
+                try:
+                    sized(*bad)
+                except ValueError:
+                    pass
+            for free, kept in (((0,), (None, None)), ((), (None,)), ((), ("x", None))):
+                try:
+                    _C.GraphReplay((buffer, 8), replay, (), (out, None)).for_sizes(free, kept)
+                except (TypeError, ValueError):
+                    pass
 
     assert_flat(workload)
