@@ -15,7 +15,11 @@ in, one output cloned):
 - `ours, Python replay`: the same bookkeeping as the Python closure this project used
   before (a generated runner calling it);
 - `eager`: the forward itself (its two kernels run; on a GPU they would be launches);
-- `torch.compile(backend="eager")`: Dynamo's guards and its graph, for scale.
+- `torch.compile(backend="eager")`: Dynamo's guards and its graph, for scale;
+- at batch 5, a dynamic capture (`dynamic=True`), recorded per size: its generated
+  runner looks the size up and calls the size's replay; and with `size_buckets=True`,
+  the size runs the recording of bucket 8 (`size_buckets.PaddedCall`: the argument
+  copied into the buffer's first 5 rows, the output cut back), beside eager at batch 5.
 
 Thread CPU time per call (`time.thread_time_ns`), median of `--repeats` loops of
 `--loops` calls, one intra-op thread.  On a GPU, `make gpu-check` measures the real
@@ -49,6 +53,7 @@ def _noop_record(gm: Any, static_inputs: list[Any]) -> tuple[Callable[[], None],
 
 def _c_replay(gm: Any, example_inputs: list[Any]) -> Any:
     from nnscaler_eval.runners import backends
+    backends.refuse_replay(gm, example_inputs, "cpu")   # as "cudagraphs": concrete sizes
     return backends.replayed(gm, example_inputs, _noop_record)
 
 
@@ -88,27 +93,36 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = _Net().eval()
-    x = torch.randn(1, 8)
+    x, x5 = torch.randn(1, 8), torch.randn(5, 8)
     variants = {
-        "eager": model,
-        "ours, C replay": nnscaler.compile(copy.deepcopy(model), backend=_c_replay),
-        "ours, Python replay": nnscaler.compile(copy.deepcopy(model), backend=_python_replay),
-        "torch.compile(backend=\"eager\")": torch.compile(copy.deepcopy(model), backend="eager"),
+        "eager": (model, x),
+        "ours, C replay": (nnscaler.compile(copy.deepcopy(model), backend=_c_replay), x),
+        "ours, Python replay": (nnscaler.compile(copy.deepcopy(model), backend=_python_replay),
+                                x),
+        "torch.compile(backend=\"eager\")": (torch.compile(copy.deepcopy(model),
+                                                           backend="eager"), x),
+        "eager, batch 5": (model, x5),
+        "ours, batch 5, per size": (nnscaler.compile(copy.deepcopy(model), backend=_c_replay,
+                                                     dynamic=True), x5),
+        "ours, batch 5, bucket 8": (nnscaler.compile(copy.deepcopy(model), backend=_c_replay,
+                                                     dynamic=True, size_buckets=True), x5),
     }
     results: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
-        for name, m in variants.items():
-            torch.testing.assert_close(m(x), model(x))
+        for name, (m, arg) in variants.items():
+            torch.testing.assert_close(m(arg), model(arg))
         for _ in range(3):   # interleaved rounds
-            for name, m in variants.items():
-                results[name].append(_per_call_ns(lambda m=m: m(x), args.repeats, args.loops))
+            for name, (m, arg) in variants.items():
+                results[name].append(_per_call_ns(lambda m=m, arg=arg: m(arg), args.repeats,
+                                                  args.loops))
     print(f"Python {platform.python_version()}, torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}; thread CPU per call, median of "
           f"3 interleaved rounds of {args.repeats} x {args.loops} calls")
-    eager = statistics.median(results["eager"])
     for name, values in results.items():
+        eager = statistics.median(results["eager, batch 5" if "batch 5" in name else "eager"])
         median = statistics.median(values)
-        print(f"  {name:34s} {median / 1000:6.2f} us  x{median / eager:.2f} eager")
+        print(f"  {name:34s} {median / 1000:6.2f} us  x{median / eager:.2f} eager"
+              f"{' at batch 5' if 'batch 5' in name else ''}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def compile(
     cache_size_limit: int = 8,
     dynamic: Optional[bool] = None,
     block_reuse: bool = True,
+    size_buckets: bool = False,
 ) -> Any:
     """Compile an `nn.Module` instance (in place; returns the same object), an
     `nn.Module` subclass (every instance is compiled) or a plain function (returns a
@@ -42,9 +43,17 @@ def compile(
     instance with that instance's parameters and buffers; a block that differs in
     anything its graph depends on keeps its own.  `explain()` lists what is shared.
     False hands the backend the whole graph inlined.
+
+    `size_buckets`: False (default) records a dynamic capture once per size with a
+    backend that needs concrete sizes ("cudagraphs").  True runs a size through the
+    recording of the next power of two, its arguments padded and its outputs cut
+    back, where the graph's operations keep padded positions from reaching the others
+    (causal attention, per-position layers; not a mask over padded keys, a reduction
+    over the padded dimension or `x[:, -1]`); `explain()` says which sizes are padded,
+    or why none.
     """
     config = CompileConfig.create(backend, fullgraph, skip_nnmodule_hook_guards,
-                                  cache_size_limit, dynamic, block_reuse)
+                                  cache_size_limit, dynamic, block_reuse, size_buckets)
     if obj is None:
         return functools.partial(_compile_with, config=config)
     return _compile_with(obj, config=config)

@@ -24,6 +24,10 @@ class CompileConfig:
     # compile with AOTAutograd, the submodule calls that trace to the same nodes are
     # one subgraph the graph calls per instance.  False: the whole graph inlined.
     block_reuse: bool = True
+    # A dynamic capture recorded per size (CUDA graphs) runs a size through the
+    # recording of its power-of-two bucket, padded, where the graph allows it
+    # (runners/size_buckets.py).
+    size_buckets: bool = False
     # None for the built-in "eager" backend (the graph as generated Python).
     backend_fn: Optional[Callable[..., Any]] = field(default=None, repr=False)
     backend_name: str = "eager"
@@ -45,17 +49,18 @@ class CompileConfig:
         cache_size_limit: int = 8,
         dynamic: Optional[bool] = None,
         block_reuse: bool = True,
+        size_buckets: bool = False,
         **unknown: Any,
     ) -> "CompileConfig":
         if unknown:
             raise TypeError(
                 f"nnscaler.compile(): unknown option(s) {', '.join(sorted(unknown))}; "
                 "known: backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit, dynamic, "
-                "block_reuse"
+                "block_reuse, size_buckets"
             )
         for name, value in (("fullgraph", fullgraph),
                             ("skip_nnmodule_hook_guards", skip_nnmodule_hook_guards),
-                            ("block_reuse", block_reuse)):
+                            ("block_reuse", block_reuse), ("size_buckets", size_buckets)):
             if not isinstance(value, bool):
                 raise TypeError(f"nnscaler.compile(): {name} must be a bool, not {value!r}")
         if isinstance(cache_size_limit, bool) or not isinstance(cache_size_limit, int) \
@@ -68,7 +73,8 @@ class CompileConfig:
                 f"nnscaler.compile(): dynamic must be None, True or False, not {dynamic!r}")
         backend_fn, backend_name = resolve_backend(backend)
         return cls(backend, fullgraph, skip_nnmodule_hook_guards, cache_size_limit,
-                   dynamic=dynamic, block_reuse=block_reuse, backend_fn=backend_fn,
+                   dynamic=dynamic, block_reuse=block_reuse, size_buckets=size_buckets,
+                   backend_fn=backend_fn,
                    backend_name=backend_name)
 
     @classmethod
@@ -88,7 +94,7 @@ class CompileConfig:
             checked = cls.create(backend=backend, **options)
             key = (_backend_key(backend), checked.fullgraph,
                    checked.skip_nnmodule_hook_guards, checked.cache_size_limit,
-                   checked.dynamic, checked.block_reuse)
+                   checked.dynamic, checked.block_reuse, checked.size_buckets)
             config = _REGION_CONFIGS.get(key)
             if config is None:
                 config = dataclasses.replace(checked, region=True)
@@ -104,7 +110,7 @@ class CompileConfig:
     def __reduce__(self) -> Any:
         return (CompileConfig.create, (self.backend, self.fullgraph,
                                        self.skip_nnmodule_hook_guards, self.cache_size_limit,
-                                       self.dynamic, self.block_reuse))
+                                       self.dynamic, self.block_reuse, self.size_buckets))
 
 
 class RegionCaches(list):

@@ -39,6 +39,7 @@ from nnscaler_eval.tracing.compile_awareness import compile_safe_paths
 from nnscaler_eval.shared_objects import INTERNAL_PREFIX, RUN_DISARMED, RUN_EAGERLY
 from nnscaler_eval.config import CompileConfig, adopt_region_bucket
 from nnscaler_eval.runners import block_reuse, inductor_start
+from nnscaler_eval.runners import size_buckets
 from nnscaler_eval.runners.backends import PerSizeCompiled, compile_graph
 from nnscaler_eval.runners.fx_source import release_source_with
 from nnscaler_eval.guarding.guard_builder import ReadContext, build_state_guards, walk_state
@@ -73,6 +74,9 @@ class EntryInfo:
     # why the backend compiles this dynamic entry once per size (it refused symbolic
     # inputs), or None
     per_size: Optional[str] = None
+    # what size buckets do for such an entry (compile(size_buckets=True)): the sizes
+    # padded, or why none; "" without the option
+    size_buckets: str = ""
     # the subgraphs the backend compiled once for repeated blocks (block_reuse.SharedBlock)
     shared_blocks: list = field(default_factory=list)
     # `if` statements on tensors the capture met: converted to torch.cond, or why not
@@ -223,9 +227,10 @@ def _warn_backend_once(config: CompileConfig, code: Any, failure: str, message: 
 
 def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
                     symbolic: bool = False) -> tuple[Callable[..., Any], list[tuple[Any, bool]],
-                                                     Optional[str], list]:
-    """The runner for this capture, the extra flag guards it needs, why the backend
-    compiles it per size (None: it does not), and the blocks it compiled once.
+                                                     Optional[PerSizeCompiled], list]:
+    """The runner for this capture, the extra flag guards it needs, its per-size
+    compiles (None: the backend took the symbolic graph), and the blocks it compiled
+    once.
 
     "eager": the graph as generated Python; training flags stay graph inputs.  Any
     other backend gets the graph with the flags folded to this run's values (AOT
@@ -252,18 +257,37 @@ def _compile_runner(config: CompileConfig, capture: Any, code: Any, where: str,
             # fails whatever the sizes: that is not a refusal of symbols.)
             logs.recaptures.info("%s: backend %r refused symbolic inputs (%s); compiled "
                                  "per size", where, config.backend_name, refusal)
+            plan, buckets_note = _size_buckets(config, gm, example_inputs, where)
             compiled = per_size = PerSizeCompiled(
                 config.backend_fn, gm, config.cache_size_limit, refusal,
                 lambda failure: _backend_failed(config, code, where, failure),
-                lambda: _backend_full(config, code, where))
+                lambda: _backend_full(config, code, where), plan)
+            per_size.buckets_note = buckets_note
         else:
             _backend_failed(config, code, where, exc)
             return capture.make_runner(), [], None, []
     n_tensors = len(example_inputs)
     flags = capture.example_inputs()[n_tensors:]
     folded = [(module, bool(value)) for module, value in zip(capture.training_inputs, flags)]
-    return (capture.make_runner(compiled, training_folded=True), folded,
-            per_size.refusal if per_size is not None else None, shared)
+    return capture.make_runner(compiled, training_folded=True), folded, per_size, shared
+
+
+def _size_buckets(config: CompileConfig, gm: Any, example_inputs: list[Any],
+                  where: str) -> tuple[Optional[size_buckets.BucketPlan], str]:
+    """The bucket plan of a graph compiled per size, and what explain() says of it."""
+    if not config.size_buckets:
+        return None, ""
+    try:
+        plan = size_buckets.plan(gm, example_inputs)
+    except size_buckets.Refused as exc:
+        logs.recaptures.info("%s: no size buckets: %s", where, exc)
+        return None, f"no size buckets: {exc}"
+    except Exception as exc:   # the analysis met what it cannot run: no buckets
+        if unwinding.interrupt_in(exc) is not None:
+            raise
+        logs.recaptures.info("%s: no size buckets: %s: %s", where, type(exc).__name__, exc)
+        return None, f"no size buckets: the analysis failed ({type(exc).__name__}: {exc})"
+    return plan, plan.describe()
 
 
 def _compile_shared(config: CompileConfig, capture: Any, gm: Any, example_inputs: list[Any],
@@ -702,7 +726,7 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
     if capture.graph_module is not None:
         release_source_with(capture.graph_module)
     folded_flags: list[tuple[Any, bool]] = []
-    per_size: Optional[str] = None
+    per_size: Optional[PerSizeCompiled] = None
     shared: list = []
     if capture.fallback is not None:
         logs.fallbacks.debug("%s runs eagerly: %s", where, capture.fallback)
@@ -737,7 +761,8 @@ def _make_entry(config: CompileConfig, capture: Any, code: Any, self: Any, key: 
         wild, program, words = symbolic.guard_program()
         info.symbols = symbolic.symbols_in_words()
         info.shape_guards = words
-        info.per_size = per_size
+        info.per_size = per_size.refusal if per_size is not None else None
+        info.size_buckets = per_size.buckets_note if per_size is not None else ""
     # A capture that ran nothing for real and replays no write can be made again on
     # fake inputs (automatic dynamic, capture/dynamic.py).
     info.symbolic_ok = runner is not None and not capture.runner_spec.state_writes and all(

@@ -3,6 +3,7 @@ and the device guard between CPU and CUDA entries."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -62,7 +63,6 @@ def _tiny_llama():
 
 
 def _generate_equal(compiled, reference, lengths, **kwargs):
-    import warnings
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True, **kwargs)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -132,3 +132,26 @@ def test_sequence_lengths_that_vary_on_cuda():
             torch.testing.assert_close(eager(x), model(x), **TOL)
     info = nnscaler.cache_info(model)
     assert info.fallbacks == 0 and info.captures <= 4, info
+
+
+def test_size_buckets_record_powers_of_two_on_cuda():
+    """`size_buckets=True` with CUDA graphs: a causal block over lengths 3..40 runs
+    from one recording per power of two, each length padded, with eager's answers
+    (tests/test_size_buckets.py checks the analysis and refusals on the CPU)."""
+    from test_size_buckets import Causal
+
+    torch.manual_seed(0)
+    eager = Causal().cuda().eval()
+    model = nnscaler.compile(copy.deepcopy(eager), backend="cudagraphs", dynamic=True,
+                             size_buckets=True, cache_size_limit=16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in (5, 7, 3, 6, 9, 12, 16, 13, 33, 40, 8):
+            ids = torch.randint(0, 100, (2, length), device="cuda")
+            torch.testing.assert_close(model(ids), eager(ids), **TOL)
+    # no size fell back to the eager backend (a failed recording warns)
+    assert not [w for w in caught if "nnscaler" in str(w.message)], caught
+    report = nnscaler.explain(nnscaler.compile(copy.deepcopy(eager), backend="cudagraphs",
+                                               dynamic=True, size_buckets=True),
+                              torch.randint(0, 100, (2, 5), device="cuda"))
+    assert report.entries[0].size_buckets.startswith("pads "), report.entries[0].size_buckets

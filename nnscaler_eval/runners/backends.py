@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import backend_form, inductor_start
+from nnscaler_eval.runners import backend_form, inductor_start, size_buckets
 
 
 def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
@@ -238,38 +238,79 @@ class PerSizeCompiled:
     """A dynamic capture's graph for a backend that refused its symbolic example
     inputs (a backend that needs concrete sizes, such as CUDA graphs): compiled once
     per concrete set of input sizes and int values, from the first hit's own
-    arguments, under the same capture (no recapture).  Past `limit` sizes, or where
+    arguments, under the same capture (no recapture).  Past `limit` compiles, or where
     the backend refuses a concrete size too, that size runs the graph itself (the
     eager backend); `failed(exc)` / `full()` say so (once, the caller decides).
     codegen writes the lookup into the runner.
+
+    With a bucket plan (runners/size_buckets.py, `size_buckets=True`), a size whose
+    power-of-two bucket the plan allows runs that bucket's recording (one compile for
+    every size of the bucket), when the backend's result is a replay
+    (`_C.GraphReplay`) whose input buffers can be written in place.
     """
 
     def __init__(self, backend_fn: Callable[..., Any], graph: Any, limit: int,
                  refusal: str, failed: Callable[[Exception], None],
-                 full: Callable[[], None]) -> None:
+                 full: Callable[[], None],
+                 buckets: Optional[size_buckets.BucketPlan] = None) -> None:
         self.backend_fn = backend_fn
         self.graph = graph
         self.limit = limit
         self.refusal = refusal   # why the symbolic compile failed, for explain()
         self.failed = failed
         self.full = full
+        self.buckets = buckets
+        self.buckets_note = ""   # the sizes padded, or why none (explain())
+        self.compiles = 0
         self.compiled: dict[tuple, Callable[..., Any]] = {}
 
     def compile_for(self, size: tuple, *args: Any) -> Callable[..., Any]:
         """The callable for `size` (each argument's shape, or its value: the runner
         looks it up in `compiled` inline and calls this only for a size it has not
         met, so a hit of a known size runs no Python of ours)."""
-        compiled: Callable[..., Any] = self.graph
-        if len(self.compiled) >= self.limit:
-            self.full()
-        else:
-            try:
-                result = compile_graph(self.backend_fn, self.graph, list(args))
-                if not callable(result):
-                    raise TypeError(f"it returned {type(result).__name__}, not a callable")
-                compiled = result
-            except Exception as exc:
-                self.failed(exc)
+        compiled = self._bucketed(args) if self.buckets is not None else None
+        if compiled is None:
+            compiled = self._compile(list(args)) or self.graph
         # Two threads compiling one size at once both store a working callable.
         self.compiled.setdefault(size, compiled)
         return self.compiled[size]
+
+    def _compile(self, args: list[Any]) -> Optional[Callable[..., Any]]:
+        if self.compiles >= self.limit:
+            self.full()
+            return None
+        try:
+            result = compile_graph(self.backend_fn, self.graph, args)
+            if not callable(result):
+                raise TypeError(f"it returned {type(result).__name__}, not a callable")
+        except Exception as exc:
+            self.failed(exc)
+            return None
+        self.compiles += 1
+        return result
+
+    def _bucketed(self, args: tuple) -> Optional[Callable[..., Any]]:
+        """The call of this size through its bucket's recording, or None (no bucket
+        for it: the caller compiles the size itself)."""
+        plan = self.buckets
+        assert plan is not None
+        values = plan.values(args)
+        target = plan.bucket(values) if values is not None else None
+        padded = [i for i, dims in enumerate(plan.inputs) if isinstance(dims, tuple) and dims]
+        if target is None or any(getattr(args[i], "_dynamo_static_input_type", None)
+                                 is not None for i in padded):
+            return None   # a pinned tensor is used in place: never padded
+        bucket_args = plan.padded_args(args, target)
+        key = plan.size_key(bucket_args)
+        replay = self.compiled.get(key)
+        if replay is None:
+            replay = self._compile(bucket_args)
+            if replay is None:
+                return None
+            replay = self.compiled.setdefault(key, replay)
+            if not size_buckets.is_replay(replay):
+                self.buckets = None   # not a recording: buckets would save nothing
+                return None
+        if not size_buckets.is_replay(replay) or set(replay.pinned) & set(padded):
+            return None
+        return size_buckets.bucket_call(replay, plan, values)

@@ -135,6 +135,8 @@ class ExplainReport:
                     if entry.per_size:
                         lines.append(f"  backend {entry.backend} compiles it once per size: "
                                      f"it refused symbolic inputs ({entry.per_size})")
+                        if entry.size_buckets:
+                            lines.append(f"  size buckets: {entry.size_buckets}")
                 lines += [f"    state {g}" for g in entry.guards]
                 if entry.shared_blocks:
                     lines.append(f"  compiled once for repeated blocks (backend "

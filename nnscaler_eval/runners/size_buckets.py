@@ -1,0 +1,777 @@
+"""Size buckets with padding for graph recordings (`compile(..., size_buckets=True)`).
+
+A backend that records concrete sizes (CUDA graphs) records a dynamic capture once
+per size (`backends.PerSizeCompiled`).  With size buckets, a call of size n runs the
+recording of the next power of two S >= n instead: its arguments are copied into the
+first n positions of the recording's S-sized input buffers along each padded
+dimension, and its outputs are cut back to n.  That is right only where the positions
+n..S-1 cannot reach the first n, and this module decides where, op by op, on the
+ATen operations the graph runs (`plan()`):
+
+- the graph runs once on its fake inputs under a dispatch mode that follows which
+  dimensions of each tensor have a padded size (a symbol of the capture's ShapeEnv);
+- an operation is sound when every position of its result below n along those
+  dimensions depends only on positions below n of its operands, with the function it
+  has at size n: pointwise operations (torch's `pointwise` tag), moves and views that
+  keep a padded dimension whole, reductions, contractions and norms over other
+  dimensions, cumulative operations, causal attention over a padded sequence,
+  indexing by padded indices that are copies of the caller's (or `arange`, with the
+  bucket capped at the indexed table's size), fills and `arange` of the padded size;
+- what has no such rule taints its results, and a taint that reaches an output, an
+  in-place write to a tensor not yet tainted, a Python value or a data-dependent size
+  refuses the plan, with the operation named;
+- a size used as a number (`x / L`), a write to an input, a random draw of padded
+  size, a slice or index counted from the end of a padded dimension are refusals too.
+
+At run time (`bucket_call`, `_C.GraphReplay.for_sizes`, csrc/graph_replay.h) the
+arguments go into the leading positions of the bucket's buffers and the outputs'
+leading positions are cloned out, in C.  A bucket is used only where it satisfies the capture's own shape guards
+(a graph traced for sizes up to 512 is never run at 1024) and the caps above; else
+the call records its exact size, as without buckets.  The padded positions of the
+buffers hold copies of real arguments (the first recording's last position repeated,
+later calls' leftovers), so indices read there are always valid ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import sympy
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nnscaler_eval import _C
+
+_MIXED = object()   # a size that depends on a padded symbol other than as itself
+
+
+class Refused(Exception):
+    """The graph cannot be padded: the message says where and why."""
+
+
+# -- which operations keep padded positions apart --------------------------------------
+
+# Results whose values ignore their tensor operands' values (fills, `*_like`).
+_FILLS = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
+          "full_like", "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+          "empty_strided", "scalar_tensor"}
+# Same values, dimensions moved whole or of size 1 added, dropped or expanded.
+_MOVES = {"permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "detach", "alias",
+          "clone", "contiguous", "_to_copy", "lift_fresh", "lift_fresh_copy", "copy",
+          "copy_", "_conj", "conj", "resolve_conj", "resolve_neg", "permute_copy",
+          "transpose_copy", "unsqueeze_copy", "squeeze_copy", "t_copy", "expand_copy",
+          "alias_copy", "detach_copy", "tril", "triu", "masked_fill", "masked_fill_"}
+# Moves that keep where a value came from (an index copied from the caller stays one).
+_KEEPS_ORIGIN = _MOVES - {"tril", "triu", "masked_fill", "masked_fill_", "copy", "copy_"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy", "_reshape_alias"}
+_SPLITS = {"split", "split_with_sizes", "unbind", "chunk", "unsafe_split",
+           "unsafe_split_with_sizes", "tensor_split", "unsafe_chunk", "split_copy",
+           "split_with_sizes_copy", "unbind_copy"}
+_CUMULATIVE = {"cumsum", "cumsum_", "cumprod", "cumprod_", "cummax", "cummin",
+               "logcumsumexp", "_cummax_helper", "_cummin_helper"}
+# Operations over the dimensions named by `dim` (all of them when it is None or []),
+# beside those torch tags `reduction`.
+_OVER_DIMS = {"_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax", "sort",
+              "topk", "argsort", "kthvalue", "median", "nanmedian", "mode", "var_mean",
+              "std_mean", "aminmax"}
+_NORMS = {"native_layer_norm", "_fused_rms_norm", "native_group_norm",
+          "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
+          "native_batch_norm", "_native_batch_norm_legit_functional"}
+# (operand, contracted dimension) pairs of products.
+_CONTRACTIONS = {
+    "mm": (("self", 1), ("mat2", 0)), "_int_mm": (("self", 1), ("mat2", 0)),
+    "bmm": (("self", 2), ("mat2", 1)), "addmm": (("mat1", 1), ("mat2", 0)),
+    "baddbmm": (("batch1", 2), ("batch2", 1)), "mv": (("self", 1), ("vec", 0)),
+    "addmv": (("mat", 1), ("vec", 0)), "dot": (("self", 0), ("tensor", 0)),
+    "vdot": (("self", 0), ("tensor", 0)),
+    "addbmm": (("batch1", 0), ("batch1", 2), ("batch2", 1)),
+}
+# Operations independent along their first operand's dimension 0 only (a batch).
+_BATCHWISE = {"convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
+              "mkldnn_convolution", "_slow_conv2d_forward", "max_pool2d_with_indices",
+              "max_pool3d_with_indices", "avg_pool2d", "avg_pool3d", "_adaptive_avg_pool2d",
+              "_adaptive_avg_pool3d", "adaptive_max_pool2d", "upsample_nearest2d",
+              "upsample_bilinear2d", "upsample_nearest1d", "upsample_linear1d",
+              "_upsample_bilinear2d_aa", "_upsample_nearest_exact2d", "im2col"}
+_ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable", "scaled_dot_product_attention",
+              "_scaled_dot_product_attention_math"}
+# Lookups by index tensors: (table operand, its indexed dimension or None for `index`,
+# index operand).
+_LOOKUPS = {"embedding": ("weight", 0, "indices"), "index_select": ("self", "dim", "index"),
+            "gather": ("self", "dim", "index"), "index": ("self", None, "indices")}
+
+
+def _expr(value: Any) -> Any:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return None
+
+
+def _free(value: Any) -> set:
+    """The symbols a (possibly nested) non-tensor argument depends on."""
+    out: set = set()
+    for leaf in pytree.tree_leaves(value):
+        expr = _expr(leaf)
+        if expr is not None:
+            out |= expr.free_symbols
+    return out
+
+
+def _size(size: Any) -> Any:
+    expr = _expr(size)
+    return expr if expr is not None else sympy.Integer(int(size))
+
+
+def _merge_clean(factors: list, padded: frozenset) -> tuple:
+    """Factors with each run of sizes that are not padded multiplied into one, and
+    1s dropped."""
+    out: list = []
+    for factor in factors:
+        if factor == 1:
+            continue
+        if out and factor not in padded and out[-1] not in padded:
+            out[-1] = out[-1] * factor
+        else:
+            out.append(factor)
+    return tuple(out)
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound: dict[str, Any] = {}
+    positional = [a for a in func._schema.arguments if not a.kwarg_only]
+    for spec, value in zip(positional, args):
+        bound[spec.name] = value
+    for spec in func._schema.arguments:
+        if spec.name not in bound:
+            bound[spec.name] = kwargs.get(spec.name, spec.default_value
+                                          if spec.has_default_value() else None)
+    return bound
+
+
+def _norm_dims(dim: Any, rank: int) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(rank))
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    return [int(d) % max(rank, 1) for d in dims]
+
+
+class _Padding(TorchDispatchMode):
+    """Follows, while the graph runs on fakes, which results' unpadded positions are
+    eager's (`taint` maps the others to why) and where index tensors came from."""
+
+    def __init__(self, padded: frozenset, ranges: dict) -> None:
+        super().__init__()
+        self.padded = padded
+        self.ranges = ranges                  # symbol -> (lower, upper or None)
+        self.taint: dict[int, str] = {}
+        self.origin: dict[int, Any] = {}      # id -> "input" or ("arange", symbol)
+        self.ceiling: dict[Any, int] = {}     # symbol -> largest bucket an index allows
+        self.layouts: dict[int, tuple] = {}   # id -> layout() set by the op that made it
+        self.keep: list = []                  # every tensor met: ids stay theirs
+
+    def layout(self, t: torch.Tensor) -> tuple:
+        """Per dimension, the factors of its size in row-major order (a padded symbol
+        or a product of sizes that are not padded; () for 1), or None where it is
+        not known how padded positions lie in it."""
+        known = self.layouts.get(id(t))
+        return known if known is not None else tuple(self._derive(s) for s in t.shape)
+
+    def _derive(self, size: Any) -> Optional[tuple]:
+        expr = _size(size)
+        if not (expr.free_symbols & self.padded):
+            return _merge_clean([expr], self.padded)
+        return (expr,) if expr in self.padded else None
+
+    def dims(self, t: torch.Tensor) -> tuple:
+        """Per dimension: None where no position is padded, the symbol where the
+        dimension is one padded size, else _MIXED (padded sizes merged with others)."""
+        out = []
+        for factors in self.layout(t):
+            if factors is not None and not (set(factors) & self.padded):
+                out.append(None)
+            elif factors is not None and len(factors) == 1:
+                out.append(factors[0])
+            else:
+                out.append(_MIXED)
+        return tuple(out)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if isinstance(func, torch._ops.OpOverload) and func.namespace in ("aten", "prims"):
+            self._judge(func, args, kwargs, result)
+        else:
+            self._judge_unknown(func, args, kwargs, result)
+        return result
+
+    def _judge_unknown(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(any(d is not None for d in self.dims(t)) or id(t) in self.taint for t in tensors) \
+                or _free((args, kwargs)) & self.padded:
+            for out in pytree.tree_leaves(result):
+                if isinstance(out, torch.Tensor):
+                    self.keep.append(out)
+                    self.taint[id(out)] = f"{func} has no padding rule"
+
+    def _judge(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        name = func._schema.name.split("::")[-1]
+        bound = _bind(func, args, kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        self.keep += outs
+        padded_in = any(any(d is not None for d in self.dims(t)) for t in tensors)
+        inherited = next((self.taint[id(t)] for t in tensors if id(t) in self.taint), None)
+        scalars = {k for k, v in bound.items()
+                   if not isinstance(v, torch.Tensor) and _free(v) & self.padded}
+        if not padded_in and not scalars and inherited is None \
+                and not any(any(d is not None for d in self.dims(t)) for t in outs):
+            return   # nothing padded in or out: eager's values
+        verdict = self._rule(func, name, bound, scalars)
+        written = [bound[a.name] for a in func._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write
+                   and isinstance(bound.get(a.name), torch.Tensor)]
+        if verdict is None:
+            for t in outs:
+                if any(t is w for w in written):
+                    continue   # in place: the layout it had
+                layout = self._result_layout(name, bound, tensors, t)
+                if any(f is None and (_size(size).free_symbols & self.padded)
+                       for f, size in zip(layout, t.shape)):
+                    verdict = (f"aten.{name} makes a size {tuple(t.shape)} whose padded "
+                               "positions cannot be told apart")
+                    break
+                self.layouts[id(t)] = layout
+        # the first cause is the one worth naming
+        reason = verdict if name in _FILLS or inherited is None else inherited
+        if reason is not None and any(id(t) not in self.taint for t in written):
+            raise Refused(f"aten.{name} writes in place where padding would change what it "
+                          f"writes ({reason})")
+        tags = set(func.tags)
+        if (padded_in or inherited) and (torch.Tag.data_dependent_output in tags
+                                         or torch.Tag.dynamic_output_shape in tags):
+            raise Refused(f"aten.{name} reads values of a padded tensor into a size or a "
+                          "Python value")
+        if (padded_in or inherited) and not func._schema.returns:
+            raise Refused(f"aten.{name} acts on a padded tensor for its effect")
+        origin = None
+        if name in _KEEPS_ORIGIN or name in _VIEWS or name in _SPLITS or name in ("slice",
+                                                                                    "select"):
+            origin = self.origin.get(id(tensors[0])) if tensors else None
+        elif name == "arange":
+            origin = self._arange_origin(bound)
+        for t in outs:
+            if reason is not None:
+                self.taint[id(t)] = reason
+            if written and t is written[0]:
+                self.origin.pop(id(t), None)
+            elif origin is not None:
+                self.origin[id(t)] = origin
+
+    # -- the rules: None where sound, else why not --------------------------------------
+
+    def _rule(self, func: Any, name: str, bound: dict, scalars: set) -> Optional[str]:
+        def tensor(arg: str) -> Optional[torch.Tensor]:
+            value = bound.get(arg)
+            return value if isinstance(value, torch.Tensor) else None
+
+        def only(*allowed: str) -> Optional[str]:
+            extra = sorted(scalars - set(allowed))
+            if extra:
+                return (f"aten.{name} uses a padded size as a value (its argument "
+                        f"{extra[0]!r}): padding would change it")
+            return None
+
+        first = next((v for v in bound.values() if isinstance(v, torch.Tensor)), None)
+        tags = set(func.tags)
+        pointwise = torch.Tag.pointwise in tags or self._inplace_pointwise(func)
+        if name in _ATTENTION:
+            return only() or self._attention(name, bound)
+        if torch.Tag.nondeterministic_seeded in tags:
+            if any(any(d is not None for d in self.dims(t))
+                   for t in pytree.tree_leaves(bound) if isinstance(t, torch.Tensor)) \
+                    or scalars:
+                return f"aten.{name} draws random numbers over a padded size"
+            return None
+        if pointwise or name in _MOVES:
+            return only("size")
+        if name in _FILLS:
+            return only("size", "stride")
+        if name == "arange":
+            return None if self._arange_origin(bound) is not None else (
+                "aten.arange's bounds depend on a padded size other than as its end")
+        if name in _VIEWS:
+            return only("size", "shape")   # the result's layout says if it is sound
+        if name in _SPLITS:
+            dims = first is not None and self.dims(first)
+            dim = int(bound.get("dim") or 0) % max(first.dim(), 1) if first is not None else 0
+            if dims and dims[dim] is not None:
+                return f"aten.{name} splits a padded dimension"
+            return only()
+        if name == "slice":
+            return self._slice(bound, first, scalars)
+        if name == "select":
+            return self._select(bound, first, scalars)
+        if name == "cat":
+            dim = int(bound.get("dim") or 0)
+            tensors = [t for t in bound["tensors"] if t.dim() > 0]
+            if tensors and self.dims(tensors[0])[dim % tensors[0].dim()] is not None:
+                return "aten.cat joins along a padded dimension"
+            return only()
+        if name == "constant_pad_nd":
+            pads = list(bound["pad"])
+            dims = self.dims(first)
+            for i in range(len(pads) // 2):
+                d = first.dim() - 1 - i
+                if dims[d] is not None and (pads[2 * i] != 0 or pads[2 * i + 1] != 0):
+                    return "aten.constant_pad_nd pads a padded dimension"
+            return only()
+        if name in _CUMULATIVE:
+            return only()
+        if torch.Tag.reduction in tags or name in _OVER_DIMS:
+            over = _norm_dims(bound.get("dim"), first.dim()) if first is not None else []
+            return only() or self._over(name, first, over)
+        if name in _NORMS:
+            return only("N") or self._norm(name, first, bound)
+        if name in _CONTRACTIONS:
+            for arg, dim in _CONTRACTIONS[name]:
+                t = tensor(arg)
+                if t is not None and self.dims(t)[dim] is not None:
+                    return f"aten.{name} sums over a padded dimension"
+            return only()
+        if name in _BATCHWISE:
+            for arg, value in bound.items():
+                if isinstance(value, torch.Tensor):
+                    dims = self.dims(value)
+                    if any(d is not None for d in (dims[1:] if value is first else dims)):
+                        return (f"aten.{name} mixes positions of a padded dimension (only "
+                                "its batch dimension may be padded)")
+            return only()
+        if name in _LOOKUPS:
+            return only() or self._lookup(name, bound)
+        return f"aten.{name} has no padding rule"
+
+    @staticmethod
+    def _inplace_pointwise(func: Any) -> bool:
+        if torch.Tag.inplace not in func.tags or not func._schema.name.endswith("_"):
+            return False
+        base = func._schema.name.split("::")[-1][:-1]
+        packet = getattr(torch.ops.aten, base, None)
+        overload = getattr(packet, func._overloadname, None) if packet is not None else None
+        return overload is not None and torch.Tag.pointwise in overload.tags
+
+    def _arange_origin(self, bound: dict) -> Optional[tuple]:
+        end, start, step = bound.get("end"), bound.get("start"), bound.get("step")
+        if _free((start, step)) & self.padded or start not in (None, 0) or step not in (None, 1):
+            return None
+        expr = _expr(end)
+        if expr is None or expr not in self.padded:
+            return None
+        return ("arange", expr)
+
+    def _result_layout(self, name: str, bound: dict, sources: list,
+                       out: torch.Tensor) -> tuple:
+        """The layout of a result of a sound operation: moved with its dimensions
+        for moves, regrouped for views, else taken from the operands' dimensions of
+        the same size (aligned from the right, then from the left)."""
+        first = sources[0] if sources else None
+        if first is not None and first.dim() > 0:
+            layout = list(self.layout(first))
+            rank = first.dim()
+            if name in _VIEWS:
+                return self._regroup(layout, [_size(s) for s in out.shape])
+            if name in ("transpose", "transpose_copy"):
+                a, b = int(bound["dim0"]) % rank, int(bound["dim1"]) % rank
+                layout[a], layout[b] = layout[b], layout[a]
+                return tuple(layout)
+            if name in ("permute", "permute_copy"):
+                return tuple(layout[int(d) % rank] for d in bound["dims"])
+            if name in ("t", "t_copy"):
+                return tuple(reversed(layout))
+            if name in ("unsqueeze", "unsqueeze_copy"):
+                layout.insert(int(bound["dim"]) % out.dim(), ())
+                return tuple(layout)
+            if name in ("select", "unbind", "unbind_copy"):
+                del layout[int(bound.get("dim") or 0) % rank]
+                return tuple(layout)
+            if name in ("squeeze", "squeeze_copy"):
+                dim = bound.get("dim")
+                dims = (set(range(rank)) if dim is None else
+                        {int(d) % rank for d in (dim if isinstance(dim, (list, tuple)) else [dim])})
+                return tuple(f for d, f in enumerate(layout)
+                             if not (d in dims and _size(first.shape[d]) == 1))
+        layout_out = []
+        for k, size in enumerate(out.shape):
+            found: list = []
+            for t in sources:
+                for j in (k + t.dim() - out.dim(), k):
+                    if 0 <= j < t.dim() and _size(t.shape[j]) == _size(size) \
+                            and _size(size) != 1:
+                        found.append(self.layout(t)[j])
+                        break
+            known = [f for f in found if f is not None]
+            if found and (len(known) < len(found) or any(f != known[0] for f in known)):
+                layout_out.append(None)   # operands disagree on where padding lies
+            else:
+                layout_out.append(known[0] if known else self._derive(size))
+        return tuple(layout_out)
+
+    def _regroup(self, layout: list, sizes: list) -> tuple:
+        """A view's layout: the operand's factors in row-major order, regrouped into
+        the result's sizes; a padded factor must stay whole (None where it cannot)."""
+        if any(f is None for f in layout):
+            return tuple(None for _ in sizes)
+        if any(s == -1 for s in sizes):
+            total = sympy.Mul(*[f for factors in layout for f in factors])
+            known = sympy.Mul(*[s for s in sizes if s != -1])
+            sizes = [total / known if s == -1 else s for s in sizes]
+        factors = _merge_clean([f for factors in layout for f in factors], self.padded)
+        out: list = []
+        i, rest = 0, None
+        for size in sizes:
+            need, got = sympy.sympify(size), []
+            while need != 1:
+                if rest is not None:
+                    factor, rest = rest, None
+                elif i < len(factors):
+                    factor, i = factors[i], i + 1
+                else:
+                    return tuple(out) + (None,) * (len(sizes) - len(out))
+                ratio = need / factor
+                if sympy.fraction(ratio)[1] == 1:
+                    got.append(factor)       # the factor whole, and more to come
+                    need = ratio
+                elif factor not in self.padded and not (need.free_symbols & self.padded) \
+                        and sympy.fraction(factor / need)[1] == 1:
+                    got.append(need)         # a size that is not padded, split
+                    rest, need = factor / need, sympy.Integer(1)
+                else:
+                    return tuple(out) + (None,) * (len(sizes) - len(out))
+            out.append(_merge_clean(got, self.padded))
+        if rest is not None or i < len(factors):
+            return tuple(None for _ in sizes)
+        return tuple(out)
+
+    def _slice(self, bound: dict, source: Optional[torch.Tensor], scalars: set) -> Optional[str]:
+        dim = int(bound.get("dim") or 0)
+        start, end, step = bound.get("start"), bound.get("end"), bound.get("step")
+        padded = source is not None and self.dims(source)[dim % source.dim()] is not None
+        if not padded:
+            return None if not scalars else "aten.slice's bounds depend on a padded size"
+        symbol = self.dims(source)[dim % source.dim()]
+        whole = start in (None, 0) and step in (None, 1) and (
+            end is None or (isinstance(end, int) and end >= 2 ** 62) or _expr(end) == symbol)
+        if whole:
+            return None
+        if symbol is _MIXED:
+            return "aten.slice cuts merged padded dimensions"
+        if scalars or any(isinstance(v, int) and v < 0 for v in (start, end)) or end is None:
+            return "aten.slice counts from the end of a padded dimension"
+        return None   # a prefix of fixed length: the capture's guards keep it below n
+
+    def _select(self, bound: dict, source: Optional[torch.Tensor], scalars: set) -> Optional[str]:
+        if scalars:
+            return "aten.select's index depends on a padded size"
+        dim, index = int(bound["dim"]), bound["index"]
+        symbol = self.dims(source)[dim % source.dim()]
+        if symbol is None:
+            return None
+        if symbol is _MIXED:
+            return "aten.select picks a position of merged padded dimensions"
+        if not isinstance(index, int) or index < 0 or index >= self.ranges[symbol][0]:
+            return "aten.select picks a position counted from the end of a padded dimension"
+        return None
+
+    def _over(self, name: str, source: Optional[torch.Tensor], over: list[int]) -> Optional[str]:
+        if source is None:
+            return None
+        dims = self.dims(source)
+        if any(dims[d] is not None for d in over if d < len(dims)):
+            return f"aten.{name} reduces over a padded dimension"
+        return None
+
+    def _norm(self, name: str, source: torch.Tensor, bound: dict) -> Optional[str]:
+        rank = source.dim()
+        if name in ("native_layer_norm", "_fused_rms_norm"):
+            over = list(range(rank - len(bound["normalized_shape"]), rank))
+        elif name == "native_group_norm":
+            over = list(range(1, rank))
+        elif name == "_native_batch_norm_legit_no_training" or not bound.get("training", True):
+            over = []
+        else:
+            over = [0] + list(range(2, rank))
+        return self._over(name, source, over)
+
+    def _attention(self, name: str, bound: dict) -> Optional[str]:
+        query, key, value = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask", bound.get("attn_bias"))
+        if bound.get("dropout_p") not in (None, 0, 0.0):
+            return f"aten.{name} draws random numbers (dropout) over a padded size"
+        q_len = self.dims(query)[-2]
+        if self.dims(key)[-2] is None and self.dims(value)[-2] is None:
+            if isinstance(mask, torch.Tensor) and self.dims(mask)[-1] is not None:
+                return f"aten.{name}'s mask pads the key dimension"
+            return None   # each query position alone
+        if bound.get("is_causal") and mask is None and q_len in self.padded \
+                and q_len == self.dims(key)[-2] == self.dims(value)[-2]:
+            return None   # a kept query sees only earlier keys, all kept
+        return (f"aten.{name} attends over a padded key dimension without a causal "
+                "mask (padded keys would be seen)")
+
+    def _lookup(self, name: str, bound: dict) -> Optional[str]:
+        table_arg, dim_arg, index_arg = _LOOKUPS[name]
+        table = bound[table_arg]
+        if name == "index":
+            indexed = [(d, i) for d, i in enumerate(bound[index_arg]) if i is not None]
+        else:
+            d = dim_arg if isinstance(dim_arg, int) else int(bound[dim_arg]) % max(table.dim(), 1)
+            indexed = [(d, bound[index_arg])]
+        for d, index in indexed:
+            if self.dims(table)[d] is not None:
+                return f"aten.{name} looks up along a padded dimension"
+            if not any(x is not None for x in self.dims(index)):
+                continue
+            origin = self.origin.get(id(index))
+            if origin == "input":
+                continue   # the padded positions hold copies of the caller's indices
+            if isinstance(origin, tuple):
+                size = table.shape[d]
+                if _expr(size) is not None:
+                    return f"aten.{name} looks up a table of symbolic size by position"
+                symbol = origin[1]
+                self.ceiling[symbol] = min(self.ceiling.get(symbol, int(size)), int(size))
+                continue
+            return (f"aten.{name} looks up by padded indices the graph computed (padded "
+                    "positions could index out of range)")
+        return None
+
+
+# -- the plan ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """Which sizes are padded and how a call's sizes map to a bucket."""
+    symbols: frozenset
+    # per graph input: ((dim, symbol), ...) of a tensor, a symbol for an int, or ()
+    inputs: tuple
+    # per output of the graph's tuple: ((dim, symbol), ...) to cut back
+    outputs: tuple
+    where: dict          # every symbol met in the inputs -> (input index, dim or None)
+    ranges: dict         # symbol -> (lower, upper or None)
+    ceiling: dict        # padded symbol -> largest bucket
+    guards: tuple        # the capture's guards that name a padded symbol
+    names: tuple         # the graph's input names, for words
+    left_out: tuple      # (symbol, why it is not padded) for the other symbolic sizes
+
+    def describe(self) -> str:
+        parts = []
+        for symbol in sorted(self.symbols, key=str):
+            cap = f", at most {self.ceiling[symbol]}" if symbol in self.ceiling else ""
+            parts.append(f"{_name(self.names, self.where, symbol)} ({symbol}{cap})")
+        text = "pads " + ", ".join(parts) + " to power-of-two buckets"
+        for symbol, why in self.left_out:
+            text += f"; not {_name(self.names, self.where, symbol)}: {why}"
+        return text
+
+    def values(self, args: tuple) -> Optional[dict]:
+        out = {}
+        for symbol, (i, dim) in self.where.items():
+            arg = args[i]
+            if dim is None:
+                if type(arg) is not int:
+                    return None
+                out[symbol] = arg
+            else:
+                if not isinstance(arg, torch.Tensor) or arg.dim() <= dim:
+                    return None
+                out[symbol] = int(arg.shape[dim])
+        return out
+
+    def bucket(self, values: dict) -> Optional[dict]:
+        """The padded sizes for a call of `values`, or None: no padding needed or
+        allowed (the call's own size is recorded then)."""
+        target = dict(values)
+        for symbol in self.symbols:
+            n = values[symbol]
+            size = 1 << max(n - 1, 0).bit_length()
+            size = min(size, self.ceiling.get(symbol, size))
+            lower, upper = self.ranges.get(symbol, (0, None))
+            if upper is not None:
+                size = min(size, upper)
+            target[symbol] = max(size, n)
+        if target == values:
+            return None
+        substitution = {s: sympy.Integer(v) for s, v in target.items()}
+        for guard in self.guards:
+            if guard.xreplace(substitution) is not sympy.true:
+                return None
+        return target
+
+    def padded_args(self, args: tuple, target: dict) -> list:
+        """The arguments padded to `target`: each padded dimension repeats its last
+        position (a copy of a real value: an index stays a valid index)."""
+        out = list(args)
+        for i, dims in enumerate(self.inputs):
+            if isinstance(dims, tuple):
+                t = args[i]
+                for dim, symbol in dims:
+                    n = t.shape[dim]
+                    extra = target[symbol] - n
+                    if extra > 0:
+                        edge = (t.narrow(dim, n - 1, 1) if n > 0
+                                else t.new_zeros(t.shape[:dim] + (1,) + t.shape[dim + 1:]))
+                        shape = list(t.shape)
+                        shape[dim] = extra
+                        t = torch.cat([t, edge.expand(shape)], dim)
+                out[i] = t.contiguous()
+            elif dims is not None:
+                out[i] = target[dims]
+        return out
+
+    def size_key(self, args: list) -> tuple:
+        return tuple(getattr(a, "shape", a) for a in args)
+
+
+def bucket_call(replay: Any, plan: BucketPlan, values: dict) -> Any:
+    """The bucket's recording run for a call of `values`: `replay.for_sizes` copies
+    each argument into the leading positions of its buffer and hands out the leading
+    positions of each output (csrc/graph_replay.h), in C."""
+    free = tuple(i for i, s in enumerate(plan.inputs) if s is not None and not isinstance(s, tuple))
+    kept = []
+    for j, out in enumerate(replay.outputs):
+        dims = plan.outputs[j] if j < len(plan.outputs) else ()
+        if not dims or not isinstance(out, torch.Tensor):
+            kept.append(None)
+            continue
+        sizes = list(out.shape)
+        for dim, symbol in dims:
+            sizes[dim] = values[symbol]
+        kept.append(tuple(sizes))
+    return replay.for_sizes(free, tuple(kept))
+
+
+def plan(gm: Any, example_inputs: list) -> BucketPlan:
+    """The bucket plan of a dynamic capture's graph, or Refused saying why none."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(example_inputs)
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None:
+        raise Refused("the graph has no symbolic sizes")
+    where: dict = {}
+    mixed: set = set()
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                expr = _expr(size)
+                if expr is None:
+                    continue
+                if isinstance(expr, sympy.Symbol):
+                    where.setdefault(expr, (i, dim))
+                else:
+                    mixed |= expr.free_symbols
+        elif _expr(value) is not None:
+            expr = _expr(value)
+            if isinstance(expr, sympy.Symbol):
+                where.setdefault(expr, (i, None))
+            else:
+                mixed |= expr.free_symbols
+    candidates = [s for s in where if s not in mixed and where[s][1] is not None]
+    if not candidates:
+        raise Refused("no input dimension has a symbolic size of its own")
+    ranges = {}
+    for symbol in where:
+        bounds = env.var_to_range.get(symbol)
+        lower = int(bounds.lower) if bounds is not None and bounds.lower.is_Integer else 0
+        upper = (int(bounds.upper) if bounds is not None and bounds.upper.is_Integer
+                 and int(bounds.upper) < 2 ** 62 else None)
+        ranges[symbol] = (lower, upper)
+    # Every symbol at once, else one at a time, keeping each that stays sound.
+    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    chosen: Optional[tuple] = None
+    left_out: dict = {}
+    try:
+        chosen = (frozenset(candidates),) + _analyse(gm, example_inputs, fake_mode, env,
+                                                     frozenset(candidates), ranges)
+    except Refused as exc:
+        if len(candidates) == 1:
+            left_out[candidates[0]] = str(exc)
+        else:
+            for symbol in candidates:
+                padded = (chosen[0] if chosen is not None else frozenset()) | {symbol}
+                try:
+                    chosen = (padded,) + _analyse(gm, example_inputs, fake_mode, env, padded,
+                                                  ranges)
+                except Refused as single:
+                    left_out[symbol] = str(single)
+    if chosen is None:
+        raise Refused("; ".join(f"{_name(names, where, s)}: {why}" for s, why in left_out.items()))
+    padded, inputs, outputs, ceiling = chosen
+    guards = tuple(expr for expr in _shape_guards(env) if expr.free_symbols & padded)
+    if any(not (expr.free_symbols <= set(where)) for expr in guards):
+        raise Refused("a shape guard names a size the inputs do not give")
+    return BucketPlan(padded, inputs, outputs, where, ranges, ceiling, guards, names,
+                      tuple(left_out.items()))
+
+
+def _name(names: tuple, where: dict, symbol: Any) -> str:
+    i, dim = where[symbol]
+    return f"{names[i]}" + (f".size({dim})" if dim is not None else "")
+
+
+def _shape_guards(env: Any) -> list:
+    exprs = [g.expr for g in env.guards]
+    exprs += [sympy.Eq(s, r) for s, r in env.replacements.items()]
+    return [env.replace(e) if hasattr(env, "replace") else e for e in exprs]
+
+
+def _analyse(gm: Any, example_inputs: list, fake_mode: Any, env: Any, padded: frozenset,
+             ranges: dict) -> tuple:
+    mode = _Padding(padded, ranges)
+    inputs = []
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.Tensor):
+            dims = tuple((d, s) for d, s in enumerate(mode.dims(value)) if s is not None)
+            if any(s is _MIXED for _, s in dims):
+                raise Refused(f"input {i}'s size depends on a padded size other than as "
+                              "itself")
+            inputs.append(dims)
+            mode.origin[id(value)] = "input"
+        elif _expr(value) is not None and _expr(value) in padded:
+            inputs.append(_expr(value))
+        else:
+            if _free(value) & padded:
+                raise Refused(f"input {i} depends on a padded size other than as itself")
+            inputs.append(None)
+    versions = [v._version if isinstance(v, torch.Tensor) else None for v in example_inputs]
+    with fake_mode, env.suppress_guards(), mode, torch.no_grad():
+        result = gm(*example_inputs)
+    for i, (value, version) in enumerate(zip(example_inputs, versions)):
+        if version is not None and value._version != version:
+            raise Refused(f"the graph writes its input {i} in place")
+    leaves = result if isinstance(result, (tuple, list)) else (result,)
+    outputs = []
+    for j, out in enumerate(leaves):
+        if isinstance(out, torch.Tensor):
+            if id(out) in mode.taint:
+                raise Refused(f"output {j}: {mode.taint[id(out)]}")
+            dims = mode.dims(out)
+            if _MIXED in dims:
+                raise Refused(f"output {j}'s size depends on a padded size other than as "
+                              "itself")
+            outputs.append(tuple((d, s) for d, s in enumerate(dims) if s is not None))
+        else:
+            if _free(out) & padded:
+                raise Refused(f"output {j} is a number computed from a padded size")
+            outputs.append(())
+    if not any(outputs) and not any(isinstance(x, tuple) and x for x in inputs):
+        raise Refused("nothing padded reaches the graph")
+    return tuple(inputs), tuple(outputs), dict(mode.ceiling)
+
+
+def is_replay(compiled: Any) -> bool:
+    return isinstance(compiled, _C.GraphReplay)
