@@ -344,3 +344,29 @@ def test_the_plan_reads_aten_operations_not_a_list_of_modules():
     _run(Handmade, lambda n: (torch.randn(2, n, 8),), [3, 5, 7])
     with pytest.raises(size_buckets.Refused, match="no symbolic sizes"):
         size_buckets.plan(torch.fx.symbolic_trace(Handmade()), [torch.randn(2, 3, 8)])
+
+
+def test_a_hugging_face_decoder_pads_its_batch_and_says_why_not_its_length():
+    """transformers' llama without a cache: the batch is padded (one recording per
+    power of two), the length is not: its mask is built from positions the graph
+    computes and handed to attention over the padded keys."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)).eval()
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.llama = copy.deepcopy(llama)
+
+        def forward(self, ids):
+            return self.llama(input_ids=ids, use_cache=False).logits
+
+    make = lambda n: (torch.randint(0, 64, (n, 6)),)   # noqa: E731 - batch n, length 6
+    note, _ = _note(Logits, lambda n: (torch.randint(0, 64, (2, n)),))
+    assert note.startswith("pads ids.size(0)") and "not ids.size(1): " in note, note
+    model, recorded = _run(Logits, make, [3, 5, 2, 6, 7, 4])
+    assert sorted(shapes[0][0] for shapes in recorded) == [2, 4, 8], recorded

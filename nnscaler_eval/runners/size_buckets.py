@@ -120,6 +120,13 @@ def _free(value: Any) -> set:
     return out
 
 
+def _is(value: Any, *constants: Any) -> bool:
+    """`value` is one of `constants`, a plain Python value: a SymInt is never compared
+    (its == would evaluate at the capture's example sizes)."""
+    return (value is None and None in constants) or (
+        type(value) in (int, float, bool) and value in constants)
+
+
 def _size(size: Any) -> Any:
     expr = _expr(size)
     return expr if expr is not None else sympy.Integer(int(size))
@@ -177,7 +184,9 @@ class _Padding(TorchDispatchMode):
         or a product of sizes that are not padded; () for 1), or None where it is
         not known how padded positions lie in it."""
         known = self.layouts.get(id(t))
-        return known if known is not None else tuple(self._derive(s) for s in t.shape)
+        if known is not None and len(known) == t.dim():
+            return known
+        return tuple(self._derive(s) for s in t.shape)
 
     def _derive(self, size: Any) -> Optional[tuple]:
         expr = _size(size)
@@ -251,6 +260,10 @@ class _Padding(TorchDispatchMode):
             raise Refused(f"aten.{name} writes in place where padding would change what it "
                           f"writes ({reason})")
         tags = set(func.tags)
+        if name == "index":   # its tag is for masks: long indices give a static shape
+            masks = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                        for i in bound["indices"])
+            tags.discard(torch.Tag.dynamic_output_shape) if not masks else None
         if (padded_in or inherited) and (torch.Tag.data_dependent_output in tags
                                          or torch.Tag.dynamic_output_shape in tags):
             raise Refused(f"aten.{name} reads values of a padded tensor into a size or a "
@@ -288,6 +301,8 @@ class _Padding(TorchDispatchMode):
         first = next((v for v in bound.values() if isinstance(v, torch.Tensor)), None)
         tags = set(func.tags)
         pointwise = torch.Tag.pointwise in tags or self._inplace_pointwise(func)
+        if torch.Tag.inplace_view in tags:
+            return f"aten.{name} changes a padded tensor's shape in place"
         if name in _ATTENTION:
             return only() or self._attention(name, bound)
         if torch.Tag.nondeterministic_seeded in tags:
@@ -365,7 +380,7 @@ class _Padding(TorchDispatchMode):
 
     def _arange_origin(self, bound: dict) -> Optional[tuple]:
         end, start, step = bound.get("end"), bound.get("start"), bound.get("step")
-        if _free((start, step)) & self.padded or start not in (None, 0) or step not in (None, 1):
+        if not _is(start, None, 0) or not _is(step, None, 1):
             return None
         expr = _expr(end)
         if expr is None or expr not in self.padded:
@@ -462,7 +477,7 @@ class _Padding(TorchDispatchMode):
         if not padded:
             return None if not scalars else "aten.slice's bounds depend on a padded size"
         symbol = self.dims(source)[dim % source.dim()]
-        whole = start in (None, 0) and step in (None, 1) and (
+        whole = _is(start, None, 0) and _is(step, None, 1) and (
             end is None or (isinstance(end, int) and end >= 2 ** 62) or _expr(end) == symbol)
         if whole:
             return None
@@ -481,7 +496,7 @@ class _Padding(TorchDispatchMode):
             return None
         if symbol is _MIXED:
             return "aten.select picks a position of merged padded dimensions"
-        if not isinstance(index, int) or index < 0 or index >= self.ranges[symbol][0]:
+        if type(index) is not int or index < 0 or index >= self.ranges[symbol][0]:
             return "aten.select picks a position counted from the end of a padded dimension"
         return None
 
@@ -508,7 +523,7 @@ class _Padding(TorchDispatchMode):
     def _attention(self, name: str, bound: dict) -> Optional[str]:
         query, key, value = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask", bound.get("attn_bias"))
-        if bound.get("dropout_p") not in (None, 0, 0.0):
+        if not _is(bound.get("dropout_p"), None, 0, 0.0):
             return f"aten.{name} draws random numbers (dropout) over a padded size"
         q_len = self.dims(query)[-2]
         if self.dims(key)[-2] is None and self.dims(value)[-2] is None:
@@ -530,7 +545,11 @@ class _Padding(TorchDispatchMode):
             d = dim_arg if isinstance(dim_arg, int) else int(bound[dim_arg]) % max(table.dim(), 1)
             indexed = [(d, bound[index_arg])]
         for d, index in indexed:
-            if self.dims(table)[d] is not None:
+            along = self.dims(table)[d]
+            if along is not None and along in self.padded \
+                    and self.origin.get(id(index)) == ("arange", along):
+                continue   # position i of a padded dimension read at i < n: a kept one
+            if along is not None:
                 return f"aten.{name} looks up along a padded dimension"
             if not any(x is not None for x in self.dims(index)):
                 continue
