@@ -191,9 +191,9 @@ class Noise(PerPosition):
         return self.fc(x) + torch.randn(x.shape[0], x.shape[1], 8)
 
 
-class ShiftedPositions(Causal):
+class ComputedPositions(Causal):
     def forward(self, ids):
-        return self.pos(torch.arange(ids.shape[1]) + 2) + self.tok(ids)
+        return self.pos(ids % 64) + self.tok(ids)
 
 
 class JoinsLengths(PerPosition):
@@ -235,7 +235,7 @@ REFUSED = [
     (WritesInput, lambda n: (torch.randn(2, n, 8),), "writes its input 0 in place"),
     (Flips, lambda n: (torch.randn(2, n, 8),), "aten.flip has no padding rule"),
     (Noise, lambda n: (torch.randn(2, n, 8),), "draws random numbers"),
-    (ShiftedPositions, _ids(), "indices the graph computed"),
+    (ComputedPositions, _ids(), "indices the graph computed"),
     (JoinsLengths, lambda n: (torch.randn(2, n, 8),), "joins along a padded dimension"),
     (MaskedScores, lambda n: (torch.randn(2, n, 8),), "reduces over a padded dimension"),
     (ReturnsLength, lambda n: (torch.randn(2, n, 8),), "a number computed from a padded size"),
@@ -247,7 +247,7 @@ REFUSED = [
 def test_padding_that_would_change_an_answer_is_refused_and_says_why(model_cls, make, reason):
     note, _ = _note(model_cls, make)
     # dynamic=True: the batch is symbolic too, and may be padded alone
-    length = "ids.size(1)" if model_cls in (NotCausal, ShiftedPositions) else \
+    length = "ids.size(1)" if model_cls in (NotCausal, ComputedPositions) else \
         "x.size(2)" if model_cls is ConvolvesLength else "x.size(1)"
     assert f"{length}: " in note and reason in note.split(f"{length}: ", 1)[1], note
     # refused, the entry records each size: eager's answers, as without the option
@@ -278,6 +278,17 @@ def test_positions_read_by_arange_cap_the_bucket_at_the_table_size():
     assert lengths == [32, 40], recorded   # 33..40 -> 40 (64 would index past 40)
     note, _ = _note(lambda: Causal(positions=40), _ids(1))
     assert "at most 40" in note
+
+
+def test_positions_past_an_offset_cap_the_bucket_lower():
+    class Shifted(Causal):
+        def forward(self, ids):   # positions 2 .. t + 1 of a 40-row table
+            return self.pos(torch.arange(ids.shape[1]) + 2) + self.tok(ids)
+
+    model, recorded = _run(lambda: Shifted(positions=40), _ids(1), [30, 33, 36, 20])
+    assert sorted({shapes[0][1] for shapes in recorded}) == [32, 38], recorded
+    note, _ = _note(lambda: Shifted(positions=40), _ids(1))
+    assert "at most 38" in note, note
 
 
 def test_recordings_stay_within_cache_size_limit_with_one_warning():
@@ -346,27 +357,98 @@ def test_the_plan_reads_aten_operations_not_a_list_of_modules():
         size_buckets.plan(torch.fx.symbolic_trace(Handmade()), [torch.randn(2, 3, 8)])
 
 
-def test_a_hugging_face_decoder_pads_its_batch_and_says_why_not_its_length():
-    """transformers' llama without a cache: the batch is padded (one recording per
-    power of two), the length is not: its mask is built from positions the graph
-    computes and handed to attention over the padded keys."""
+def _tiny_hf(kind):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)).eval()
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=48)).eval()
+    return transformers.BertModel(transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)).eval()
+        intermediate_size=64, max_position_embeddings=64)).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_hugging_face_decoder_pads_batch_and_length_under_its_causal_mask(kind):
+    """transformers' decoders without a cache: the causal mask they build from
+    positions (compared aranges, ANDed with the packed-sequence mask, turned into 0 /
+    -inf) hides every padded key from each kept query, so batch and length pad; the
+    learned positions of GPT-2 cap the length bucket at n_positions."""
+    hf = _tiny_hf(kind)
 
     class Logits(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.llama = copy.deepcopy(llama)
+            self.hf = copy.deepcopy(hf)
 
         def forward(self, ids):
-            return self.llama(input_ids=ids, use_cache=False).logits
+            return self.hf(input_ids=ids, use_cache=False).logits
 
-    make = lambda n: (torch.randint(0, 64, (n, 6)),)   # noqa: E731 - batch n, length 6
-    note, _ = _note(Logits, lambda n: (torch.randint(0, 64, (2, n)),))
-    assert note.startswith("pads ids.size(0)") and "not ids.size(1): " in note, note
-    model, recorded = _run(Logits, make, [3, 5, 2, 6, 7, 4])
-    assert sorted(shapes[0][0] for shapes in recorded) == [2, 4, 8], recorded
+    make = lambda n: (torch.randint(0, 64, (2 + n % 2, n)),)   # noqa: E731
+    note, _ = _note(Logits, make)
+    assert note.startswith("pads ids.size(0)") and "ids.size(1) (" in note, note
+    model, recorded = _run(Logits, make, [5, 7, 3, 12, 33, 40, 9])
+    caps = 48 if kind == "gpt2" else 128
+    assert sorted({shapes[0] for shapes in recorded}) == sorted(
+        {(_bucket(2 + n % 2), min(_bucket(n), caps)) for n in [5, 7, 3, 12, 33, 40, 9]})
+    if kind == "gpt2":
+        assert "at most 48" in note
+
+
+def test_an_encoder_attending_over_every_position_is_not_padded():
+    bert = _tiny_hf("bert")
+
+    class Hidden(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = copy.deepcopy(bert)
+
+        def forward(self, ids):
+            return self.bert(input_ids=ids).last_hidden_state
+
+    note, _ = _note(Hidden, lambda n: (torch.randint(0, 64, (2, n)),))
+    assert note.startswith("no size buckets") and "ids.size(1): " in note, note
+    _run(Hidden, lambda n: (torch.randint(0, 64, (2, n)),), [5, 6])
+
+
+def _positions(t):
+    return torch.arange(t)[:, None], torch.arange(t)[None, :]   # query, key
+
+
+MASKS = {
+    # (mask of a length t, sound?)
+    "keys up to the query": (lambda t: _positions(t)[1] <= _positions(t)[0], True),
+    "the query after the key, written >": (lambda t: _positions(t)[0] > _positions(t)[1] - 1,
+                                           True),
+    "a causal window": (lambda t: (_positions(t)[1] <= _positions(t)[0])
+                        & (_positions(t)[1] > _positions(t)[0] - 3), True),
+    "0 / -inf": (lambda t: torch.where(_positions(t)[1] <= _positions(t)[0],
+                                       torch.tensor(0.0), torch.tensor(float("-inf"))), True),
+    "keys from the query on": (lambda t: _positions(t)[1] >= _positions(t)[0], False),
+    "one key ahead": (lambda t: _positions(t)[1] <= _positions(t)[0] + 1, False),
+    "0 / -5": (lambda t: torch.where(_positions(t)[1] <= _positions(t)[0],
+                                     torch.tensor(0.0), torch.tensor(-5.0)), False),
+    "causal or the first key": (lambda t: (_positions(t)[1] <= _positions(t)[0])
+                                | (_positions(t)[1] == 0), False),
+}
+
+
+@pytest.mark.parametrize("label", list(MASKS))
+def test_a_mask_built_from_positions_pads_only_when_it_hides_later_keys(label):
+    mask_of, sound = MASKS[label]
+
+    class Masked(PerPosition):
+        def forward(self, x):   # heads of 4 (a fused kernel; CPU's math path for 3-D
+            h = self.fc(x).view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)   # refuses)
+            return F.scaled_dot_product_attention(h, h, h, attn_mask=mask_of(x.shape[1]))
+
+    make = lambda n: (torch.randn(2, n, 8),)   # noqa: E731
+    note, _ = _note(Masked, make)
+    assert ("x.size(1) (" in note.split(";")[0]) == sound, note
+    _, recorded = _run(Masked, make, [5, 7, 6, 3])
+    assert sorted({s[0][1] for s in recorded}) == ([4, 8] if sound else [3, 5, 6, 7])

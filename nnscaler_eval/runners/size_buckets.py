@@ -65,6 +65,10 @@ _MOVES = {"permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "detach
 # Moves that keep where a value came from (an index copied from the caller stays one).
 _KEEPS_ORIGIN = _MOVES - {"tril", "triu", "masked_fill", "masked_fill_", "copy", "copy_"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy", "_reshape_alias"}
+# Dtypes that hold every position of any size met in practice exactly.
+_EXACT = (torch.int32, torch.int64, torch.float32, torch.float64)
+# Moves whose result's values are the operand's, at known places.
+_POSITION_MOVES = (_KEEPS_ORIGIN - {"copy"}) | _VIEWS | {"slice", "select"}
 _SPLITS = {"split", "split_with_sizes", "unbind", "chunk", "unsafe_split",
            "unsafe_split_with_sizes", "tensor_split", "unsafe_chunk", "split_copy",
            "split_with_sizes_copy", "unbind_copy"}
@@ -132,6 +136,20 @@ def _size(size: Any) -> Any:
     return expr if expr is not None else sympy.Integer(int(size))
 
 
+def _padded_symbol(expr: Any, padded: frozenset) -> Any:
+    """The padded symbol of a size `s` or `s + c` (c an integer: a padded dimension
+    extended or cut at its end, whose kept positions are the first n + c), else None."""
+    if expr in padded:
+        return expr
+    if isinstance(expr, sympy.Add) and len(expr.args) == 2:
+        a, b = expr.args
+        if a.is_Integer and b in padded:
+            return b
+        if b.is_Integer and a in padded:
+            return a
+    return None
+
+
 def _merge_clean(factors: list, padded: frozenset) -> tuple:
     """Factors with each run of sizes that are not padded multiplied into one, and
     1s dropped."""
@@ -139,7 +157,7 @@ def _merge_clean(factors: list, padded: frozenset) -> tuple:
     for factor in factors:
         if factor == 1:
             continue
-        if out and factor not in padded and out[-1] not in padded:
+        if out and not (factor.free_symbols & padded) and not (out[-1].free_symbols & padded):
             out[-1] = out[-1] * factor
         else:
             out.append(factor)
@@ -174,7 +192,14 @@ class _Padding(TorchDispatchMode):
         self.padded = padded
         self.ranges = ranges                  # symbol -> (lower, upper or None)
         self.taint: dict[int, str] = {}
-        self.origin: dict[int, Any] = {}      # id -> "input" or ("arange", symbol)
+        self.origin: dict[int, str] = {}      # id -> "input": values copied from the caller
+        # id -> (dim, symbol, c): the value at each position is its index along dim,
+        # a padded dimension, plus c (an arange of the padded size, moved and indexed)
+        self.position: dict[int, tuple] = {}
+        # id -> (q, k): a boolean tensor False wherever its index along k exceeds its
+        # index along q, both padded dimensions of one size (a causal mask)
+        self.causal: dict[int, tuple] = {}
+        self.constant: dict[int, Any] = {}    # id -> the number a 0-d constant holds
         self.ceiling: dict[Any, int] = {}     # symbol -> largest bucket an index allows
         self.layouts: dict[int, tuple] = {}   # id -> layout() set by the op that made it
         self.keep: list = []                  # every tensor met: ids stay theirs
@@ -192,14 +217,14 @@ class _Padding(TorchDispatchMode):
         expr = _size(size)
         if not (expr.free_symbols & self.padded):
             return _merge_clean([expr], self.padded)
-        return (expr,) if expr in self.padded else None
+        return (expr,) if _padded_symbol(expr, self.padded) is not None else None
 
     def dims(self, t: torch.Tensor) -> tuple:
         """Per dimension: None where no position is padded, the symbol where the
         dimension is one padded size, else _MIXED (padded sizes merged with others)."""
         out = []
         for factors in self.layout(t):
-            if factors is not None and not (set(factors) & self.padded):
+            if factors is not None and not any(f.free_symbols & self.padded for f in factors):
                 out.append(None)
             elif factors is not None and len(factors) == 1:
                 out.append(factors[0])
@@ -232,6 +257,10 @@ class _Padding(TorchDispatchMode):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         self.keep += outs
+        if name in ("scalar_tensor", "full") and len(outs) == 1 and outs[0].dim() == 0:
+            number = bound.get("s", bound.get("fill_value"))
+            if type(number) in (int, float, bool):
+                self.constant[id(outs[0])] = number
         padded_in = any(any(d is not None for d in self.dims(t)) for t in tensors)
         inherited = next((self.taint[id(t)] for t in tensors if id(t) in self.taint), None)
         scalars = {k for k, v in bound.items()
@@ -274,15 +303,17 @@ class _Padding(TorchDispatchMode):
         if name in _KEEPS_ORIGIN or name in _VIEWS or name in _SPLITS or name in ("slice",
                                                                                     "select"):
             origin = self.origin.get(id(tensors[0])) if tensors else None
-        elif name == "arange":
-            origin = self._arange_origin(bound)
         for t in outs:
             if reason is not None:
                 self.taint[id(t)] = reason
-            if written and t is written[0]:
-                self.origin.pop(id(t), None)
-            elif origin is not None:
+            if any(t is w for w in written):
+                for known in (self.origin, self.position, self.causal):
+                    known.pop(id(t), None)
+                continue
+            if origin is not None:
                 self.origin[id(t)] = origin
+            if reason is None:
+                self._follow_values(name, bound, tensors, t)
 
     # -- the rules: None where sound, else why not --------------------------------------
 
@@ -316,7 +347,7 @@ class _Padding(TorchDispatchMode):
         if name in _FILLS:
             return only("size", "stride")
         if name == "arange":
-            return None if self._arange_origin(bound) is not None else (
+            return None if self._arange_position(bound) is not None else (
                 "aten.arange's bounds depend on a padded size other than as its end")
         if name in _VIEWS:
             return only("size", "shape")   # the result's layout says if it is sound
@@ -333,16 +364,18 @@ class _Padding(TorchDispatchMode):
         if name == "cat":
             dim = int(bound.get("dim") or 0)
             tensors = [t for t in bound["tensors"] if t.dim() > 0]
-            if tensors and self.dims(tensors[0])[dim % tensors[0].dim()] is not None:
-                return "aten.cat joins along a padded dimension"
+            along = [self.dims(t)[dim % t.dim()] for t in tensors]
+            if any(a is not None for a in along[:-1]) or (along and along[-1] is _MIXED):
+                return "aten.cat joins along a padded dimension"   # not only at the end
             return only()
         if name == "constant_pad_nd":
             pads = list(bound["pad"])
             dims = self.dims(first)
             for i in range(len(pads) // 2):
                 d = first.dim() - 1 - i
-                if dims[d] is not None and (pads[2 * i] != 0 or pads[2 * i + 1] != 0):
-                    return "aten.constant_pad_nd pads a padded dimension"
+                if dims[d] is not None and (dims[d] is _MIXED or type(pads[2 * i + 1]) is not int
+                                            or pads[2 * i + 1] > 0):
+                    return "aten.constant_pad_nd pads the end of a padded dimension"
             return only()
         if name in _CUMULATIVE:
             return only()
@@ -378,14 +411,148 @@ class _Padding(TorchDispatchMode):
         overload = getattr(packet, func._overloadname, None) if packet is not None else None
         return overload is not None and torch.Tag.pointwise in overload.tags
 
-    def _arange_origin(self, bound: dict) -> Optional[tuple]:
+    def _arange_position(self, bound: dict) -> Optional[tuple]:
         end, start, step = bound.get("end"), bound.get("start"), bound.get("step")
         if not _is(start, None, 0) or not _is(step, None, 1):
             return None
         expr = _expr(end)
-        if expr is None or expr not in self.padded:
-            return None
-        return ("arange", expr)
+        symbol = _padded_symbol(expr, self.padded) if expr is not None else None
+        return (0, symbol, 0) if symbol is not None else None
+
+    # -- values that follow positions: aranges, and the causal masks made from them --
+
+    def _follow_values(self, name: str, bound: dict, sources: list, out: torch.Tensor) -> None:
+        first = sources[0] if sources else None
+        if name == "arange":
+            position = self._arange_position(bound)
+            if position is not None:
+                self.position[id(out)] = position
+            return
+        if first is None:
+            return
+        position = self.position.get(id(first))
+        if position is not None:
+            moved = self._moved_position(name, bound, first, out, position)
+            if moved is not None:
+                self.position[id(out)] = moved
+        if name == "index":
+            self._indexed_position(bound, out)
+        if name in ("le", "lt", "ge", "gt") and len(sources) == 2:
+            self._compared(name, sources[0], sources[1], out)
+        causal = self.causal.get(id(first))
+        if causal is not None and name in _POSITION_MOVES and not (
+                name == "slice" and not _is(bound.get("start"), None, 0)):
+            q = self._moved_dim(name, bound, first, out, causal[0])
+            k = self._moved_dim(name, bound, first, out, causal[1])
+            if q is not None and k is not None:
+                self.causal[id(out)] = (q, k)
+        if name == "where" and id(bound["condition"]) in self.causal:
+            # masked positions (False) get `other`: a causal additive mask when that
+            # is a number no logit survives against (-inf, the dtype's lowest)
+            other = self._number(bound["other"])
+            if type(other) in (int, float) and other <= -1e30:
+                known = self.causal[id(bound["condition"])]
+                shift = out.dim() - bound["condition"].dim()
+                self.causal[id(out)] = (known[0] + shift, known[1] + shift)
+        if name in ("bitwise_and", "logical_and", "mul", "__and__") \
+                and out.dtype == torch.bool:
+            for operand in sources:
+                known = self.causal.get(id(operand))
+                if known is not None:
+                    shift = out.dim() - operand.dim()
+                    self.causal[id(out)] = (known[0] + shift, known[1] + shift)
+                    break
+
+    def _number(self, value: Any) -> Any:
+        """The number a scalar argument holds, where known: a Python number, a 0-d
+        constant the graph made, or a real one-element tensor (a graph constant)."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in self.constant:
+            return self.constant[id(value)]
+        from torch._subclasses.fake_tensor import is_fake
+        if not is_fake(value) and value.numel() == 1 and not value.requires_grad:
+            return value.item()
+        constant = getattr(value, "constant", None)   # a fake of a lifted constant
+        return constant.item() if constant is not None and constant.numel() == 1 else None
+
+    def _moved_position(self, name: str, bound: dict, source: torch.Tensor,
+                        out: torch.Tensor, position: tuple) -> Optional[tuple]:
+        dim, symbol, c = position
+        if name in ("add", "sub") and type(bound.get("other")) is int \
+                and _is(bound.get("alpha"), None, 1) and out.shape == source.shape:
+            step = bound["other"] if name == "add" else -bound["other"]
+            return (dim, symbol, c + step)
+        if name not in _POSITION_MOVES or out.dtype not in _EXACT:
+            return None   # (a narrower dtype could not hold every position)
+        if name == "slice" and int(bound.get("dim") or 0) % source.dim() == dim:
+            start = bound.get("start")
+            if not _is(bound.get("step"), None, 1) or not (
+                    start is None or (type(start) is int and start >= 0)):
+                return None
+            c += start or 0
+        moved = self._moved_dim(name, bound, source, out, dim)
+        return (moved, symbol, c) if moved is not None else None
+
+    def _moved_dim(self, name: str, bound: dict, source: torch.Tensor, out: torch.Tensor,
+                   d: int) -> Optional[int]:
+        """Where dimension d of `source` is in `out`, for a move (None: gone or unknown)."""
+        rank_in, rank_out = source.dim(), out.dim()
+        if name in ("transpose", "transpose_copy"):
+            a, b = int(bound["dim0"]) % rank_in, int(bound["dim1"]) % rank_in
+            return b if d == a else a if d == b else d
+        if name in ("permute", "permute_copy"):
+            return [int(x) % rank_in for x in bound["dims"]].index(d)
+        if name in ("t", "t_copy"):
+            return rank_in - 1 - d
+        if name in ("unsqueeze", "unsqueeze_copy"):
+            return d + 1 if int(bound["dim"]) % rank_out <= d else d
+        if name == "select":
+            gone = int(bound["dim"]) % rank_in
+            return None if gone == d else d - (gone < d)
+        if name in ("squeeze", "squeeze_copy"):
+            kept = [i for i in range(rank_in) if i == d or _size(source.shape[i]) != 1
+                    or rank_in - rank_out == 0]
+            return kept.index(d) if len(kept) == rank_out else None
+        if name in _VIEWS:
+            sizes_in = [_size(x) for x in source.shape]
+            sizes_out = [_size(x) for x in out.shape]
+            before = sympy.Mul(*sizes_in[:d])
+            found = [e for e in range(rank_out) if sizes_out[e] == sizes_in[d]
+                     and sympy.expand(sympy.Mul(*sizes_out[:e]) - before) == 0]
+            return found[0] if len(found) == 1 else None
+        return d + rank_out - rank_in   # same dimensions, or new ones in front
+
+    def _indexed_position(self, bound: dict, out: torch.Tensor) -> None:
+        """table[i0, i1, ...] of a table whose values follow positions along one
+        dimension: the values follow the positions that dimension's index follows."""
+        table, indices = bound["self"], bound["indices"]
+        known = self.position.get(id(table))
+        if known is None or len(indices) != table.dim() or any(
+                not isinstance(i, torch.Tensor) for i in indices):
+            return
+        index = indices[known[0]]
+        follows = self.position.get(id(index))
+        if follows is not None:
+            self.position[id(out)] = (follows[0] + out.dim() - index.dim(), follows[1],
+                                      follows[2] + known[2])
+
+    def _compared(self, name: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """A comparison of two aranges along different dimensions of one padded size:
+        `k <= q` is False wherever k > q (a causal mask) when its offsets allow it."""
+        pa, pb = self.position.get(id(a)), self.position.get(id(b))
+        if pa is None or pb is None or pa[1] != pb[1]:
+            return
+        ra, rb = pa[0] + out.dim() - a.dim(), pb[0] + out.dim() - b.dim()
+        if ra == rb or self.dims(out)[ra] != self.dims(out)[rb] or self.dims(out)[ra] is None:
+            return
+        if name in ("ge", "gt"):   # a >= b is b <= a
+            ra, rb, pa, pb = rb, ra, pb, pa
+            name = "le" if name == "ge" else "lt"
+        # the left side's index k, the right side's q: left <= right (or <) is False
+        # whenever k > q, given k's offset is not below q's (one less for <)
+        if pa[2] + (1 if name == "lt" else 0) >= pb[2]:
+            self.causal[id(out)] = (rb, ra)
 
     def _result_layout(self, name: str, bound: dict, sources: list,
                        out: torch.Tensor) -> tuple:
@@ -459,7 +626,8 @@ class _Padding(TorchDispatchMode):
                 if sympy.fraction(ratio)[1] == 1:
                     got.append(factor)       # the factor whole, and more to come
                     need = ratio
-                elif factor not in self.padded and not (need.free_symbols & self.padded) \
+                elif not (factor.free_symbols & self.padded) \
+                        and not (need.free_symbols & self.padded) \
                         and sympy.fraction(factor / need)[1] == 1:
                     got.append(need)         # a size that is not padded, split
                     rest, need = factor / need, sympy.Integer(1)
@@ -476,16 +644,26 @@ class _Padding(TorchDispatchMode):
         padded = source is not None and self.dims(source)[dim % source.dim()] is not None
         if not padded:
             return None if not scalars else "aten.slice's bounds depend on a padded size"
-        symbol = self.dims(source)[dim % source.dim()]
+        extent = self.dims(source)[dim % source.dim()]
         whole = _is(start, None, 0) and _is(step, None, 1) and (
-            end is None or (isinstance(end, int) and end >= 2 ** 62) or _expr(end) == symbol)
+            end is None or (type(end) is int and end >= 2 ** 62) or _expr(end) == extent)
         if whole:
             return None
-        if symbol is _MIXED:
+        if extent is _MIXED:
             return "aten.slice cuts merged padded dimensions"
-        if scalars or any(isinstance(v, int) and v < 0 for v in (start, end)) or end is None:
+        # Kept positions are the first n + c of an extent s + c: a slice from a start
+        # k >= 0 to the end, to `end` positions before it, or to s + c' <= s + c keeps
+        # the first ones (each result position reads a kept one); a start counted from
+        # the end does not.
+        if not _is(step, None, 1) or not (start is None or (type(start) is int and start >= 0)):
             return "aten.slice counts from the end of a padded dimension"
-        return None   # a prefix of fixed length: the capture's guards keep it below n
+        if end is None or type(end) is int:
+            return None   # to the end, before it, or a fixed prefix the guards keep below n
+        symbol = _padded_symbol(_expr(end), self.padded)
+        if symbol is not None and symbol == _padded_symbol(extent, self.padded) \
+                and (extent - _expr(end)).is_nonnegative:
+            return None
+        return "aten.slice's bounds depend on a padded size"
 
     def _select(self, bound: dict, source: Optional[torch.Tensor], scalars: set) -> Optional[str]:
         if scalars:
@@ -530,9 +708,13 @@ class _Padding(TorchDispatchMode):
             if isinstance(mask, torch.Tensor) and self.dims(mask)[-1] is not None:
                 return f"aten.{name}'s mask pads the key dimension"
             return None   # each query position alone
-        if bound.get("is_causal") and mask is None and q_len in self.padded \
-                and q_len == self.dims(key)[-2] == self.dims(value)[-2]:
+        same = q_len is not _MIXED and q_len is not None \
+            and q_len == self.dims(key)[-2] == self.dims(value)[-2]
+        if bound.get("is_causal") and mask is None and same:
             return None   # a kept query sees only earlier keys, all kept
+        if same and isinstance(mask, torch.Tensor) and not bound.get("is_causal") \
+                and self.causal.get(id(mask)) == (mask.dim() - 2, mask.dim() - 1):
+            return None   # the mask hides every later key from each query (False or -inf)
         return (f"aten.{name} attends over a padded key dimension without a causal "
                 "mask (padded keys would be seen)")
 
@@ -546,22 +728,26 @@ class _Padding(TorchDispatchMode):
             indexed = [(d, bound[index_arg])]
         for d, index in indexed:
             along = self.dims(table)[d]
-            if along is not None and along in self.padded \
-                    and self.origin.get(id(index)) == ("arange", along):
-                continue   # position i of a padded dimension read at i < n: a kept one
+            value = self.position.get(id(index))
+            if along is not None and along is not _MIXED and value is not None \
+                    and value[1] == _padded_symbol(along, self.padded) \
+                    and self.dims(index)[value[0]] == along and value[2] == 0:
+                continue   # position i of a padded dimension read at i: a kept one
             if along is not None:
                 return f"aten.{name} looks up along a padded dimension"
             if not any(x is not None for x in self.dims(index)):
                 continue
-            origin = self.origin.get(id(index))
-            if origin == "input":
+            if self.origin.get(id(index)) == "input":
                 continue   # the padded positions hold copies of the caller's indices
-            if isinstance(origin, tuple):
+            if value is not None and value[2] >= 0:
                 size = table.shape[d]
                 if _expr(size) is not None:
                     return f"aten.{name} looks up a table of symbolic size by position"
-                symbol = origin[1]
-                self.ceiling[symbol] = min(self.ceiling.get(symbol, int(size)), int(size))
+                # the largest index: the last padded position, S + c - 1, plus the offset
+                symbol, extent = value[1], self.dims(index)[value[0]]
+                c = int(extent - symbol) if extent is not _MIXED and extent is not None else 0
+                cap = int(size) - c - value[2]
+                self.ceiling[symbol] = min(self.ceiling.get(symbol, cap), cap)
                 continue
             return (f"aten.{name} looks up by padded indices the graph computed (padded "
                     "positions could index out of range)")
@@ -767,8 +953,17 @@ def _analyse(gm: Any, example_inputs: list, fake_mode: Any, env: Any, padded: fr
                 raise Refused(f"input {i} depends on a padded size other than as itself")
             inputs.append(None)
     versions = [v._version if isinstance(v, torch.Tensor) else None for v in example_inputs]
-    with fake_mode, env.suppress_guards(), mode, torch.no_grad():
-        result = gm(*example_inputs)
+    saved = _ShapeEnvState(env)
+    try:
+        with fake_mode, mode, torch.no_grad():
+            result = gm(*example_inputs)
+    finally:
+        specialised = saved.restore()
+    if specialised:
+        # An operation the capture ran for real decides on sizes when run on fakes:
+        # this run is not the graph a call runs, so it proves nothing.
+        raise Refused("running the graph on fake inputs fixes sizes the capture left "
+                      f"symbolic ({specialised})")
     for i, (value, version) in enumerate(zip(example_inputs, versions)):
         if version is not None and value._version != version:
             raise Refused(f"the graph writes its input {i} in place")
@@ -790,6 +985,42 @@ def _analyse(gm: Any, example_inputs: list, fake_mode: Any, env: Any, padded: fr
     if not any(outputs) and not any(isinstance(x, tuple) and x for x in inputs):
         raise Refused("nothing padded reaches the graph")
     return tuple(inputs), tuple(outputs), dict(mode.ceiling)
+
+
+class _ShapeEnvState:
+    """What running the graph may add to the capture's ShapeEnv (guards, sizes fixed
+    or bounded), saved, and put back after it: the entry's ShapeEnv stays as its
+    capture left it."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.guards = len(env.guards)
+        self.replacements = dict(env.replacements)
+        self.ranges = dict(env.var_to_range)
+        self.divisible = set(env.divisible)
+        self.asserts = {k: list(v) for k, v in env.deferred_runtime_asserts.items()}
+
+    def restore(self) -> str:
+        """Puts the state back; what had changed, in words ("" when nothing)."""
+        env = self.env
+        changed = [f"{s} == {r}" for s, r in env.replacements.items()
+                   if self.replacements.get(s) != r]
+        changed += [str(g.expr) for g in env.guards[self.guards:]]
+        if not changed and env.var_to_range == self.ranges and env.divisible == self.divisible \
+                and {k: list(v) for k, v in env.deferred_runtime_asserts.items()} == self.asserts:
+            return ""
+        del env.guards[self.guards:]
+        env.replacements.clear()
+        env.replacements.update(self.replacements)
+        env.var_to_range.clear()
+        env.var_to_range.update(self.ranges)
+        env.divisible.clear()
+        env.divisible.update(self.divisible)
+        env.deferred_runtime_asserts.clear()
+        env.deferred_runtime_asserts.update(self.asserts)
+        env._prev_cache_key = None   # every cached answer of the ShapeEnv asked again
+        env._update_version_counter()
+        return ", ".join(changed[:3]) or "a size's range"
 
 
 def is_replay(compiled: Any) -> bool:
