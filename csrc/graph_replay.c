@@ -15,7 +15,9 @@ typedef struct {
     PyObject *written;      /* tuple of ints: inputs the graph writes in place */
     PyObject *pinned;       /* tuple of ints: inputs whose buffer is the caller's tensor */
     PyObject *moved;        /* callable(*inputs) for a pinned input elsewhere, or None */
-    PyObject *kept;         /* NULL, or per output None or the sizes handed out (for_sizes) */
+    PyObject *input_views;  /* NULL, or per input None or the leading part of its buffer
+                               that a call fills (for_sizes) */
+    PyObject *output_views; /* NULL, or per output None or the leading part handed out */
     char *flags;            /* per input: WRITTEN | PINNED (PyMem) */
     Py_ssize_t *slots;      /* NULL: the arguments are the inputs; else input i = args[slots[i]] */
     Py_ssize_t nargs;       /* the arguments expected */
@@ -34,10 +36,19 @@ is_plain_tensor(PyObject *obj)
            (Py_IS_TYPE(obj, tensor) || Py_IS_TYPE(obj, parameter));
 }
 
+/* Input or output i's buffer as a call sees it: the whole buffer, or the leading
+ * part for_sizes made for a call of smaller sizes. */
+static PyObject *
+seen(PyObject *buffers, PyObject *views, Py_ssize_t i)
+{
+    PyObject *view = views != NULL ? PyTuple_GET_ITEM(views, i) : Py_None;
+    return view != Py_None ? view : PyTuple_GET_ITEM(buffers, i);
+}
+
 static int
 copy_in(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
 {
-    PyObject *buffer = PyTuple_GET_ITEM(self->inputs, i);
+    PyObject *buffer = seen(self->inputs, self->input_views, i);
     PyObject *arg = self->slots != NULL ? args[self->slots[i]] : args[i];
     if (self->flags[i] & FREE) {
         return 0;   /* a size of the call: the recording runs at its own (for_sizes) */
@@ -56,7 +67,7 @@ copy_in(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
     }
     char what[48];
     PyOS_snprintf(what, sizeof(what), "input %zd", i);
-    return nns_replay_copy(buffer, arg, what, self->kept != NULL);
+    return nns_replay_copy(buffer, arg, what);
 }
 
 static int
@@ -70,19 +81,18 @@ write_back(GraphReplay *self, PyObject *const *args, Py_ssize_t i)
     }
     char what[48];
     PyOS_snprintf(what, sizeof(what), "input %zd (written back)", i);
-    return nns_replay_copy(arg, buffer, what, 0);
+    return nns_replay_copy(arg, buffer, what);
 }
 
 /* An output handed to the caller: a clone of a tensor (the next replay overwrites
- * the recording's), of its leading `sizes` only when not NULL, any other value as it
- * is. */
+ * the recording's), any other value as it is. */
 static PyObject *
-output_clone(PyObject *value, PyObject *sizes)
+output_clone(PyObject *value)
 {
     PyTypeObject *tensor, *parameter;
     if (nns_tensor_classes(&tensor, &parameter)) {
         if (Py_IS_TYPE(value, tensor) || Py_IS_TYPE(value, parameter)) {
-            return nns_replay_clone(value, sizes);
+            return nns_replay_clone(value);
         }
         if (!PyObject_TypeCheck(value, tensor)) {
             return Py_NewRef(value);
@@ -92,17 +102,6 @@ output_clone(PyObject *value, PyObject *sizes)
         return Py_NewRef(value);
     }
     return PyObject_CallMethod(value, "clone", NULL);   /* a tensor subclass: its own clone */
-}
-
-/* The sizes of output i handed out (for_sizes), or NULL for all of it. */
-static PyObject *
-kept_sizes(GraphReplay *self, Py_ssize_t i)
-{
-    if (self->kept == NULL) {
-        return NULL;
-    }
-    PyObject *sizes = PyTuple_GET_ITEM(self->kept, i);
-    return sizes == Py_None ? NULL : sizes;
 }
 
 /* A pinned input's argument is not the recorded tensor: the recording cannot run
@@ -190,14 +189,14 @@ graph_replay_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
     }
     Py_ssize_t m = PyTuple_GET_SIZE(self->outputs);
     if (self->single) {
-        result = output_clone(PyTuple_GET_ITEM(self->outputs, 0), kept_sizes(self, 0));
+        result = output_clone(seen(self->outputs, self->output_views, 0));
         goto done;
     }
     if ((result = PyTuple_New(m)) == NULL) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *item = output_clone(PyTuple_GET_ITEM(self->outputs, i), kept_sizes(self, i));
+        PyObject *item = output_clone(seen(self->outputs, self->output_views, i));
         if (item == NULL) {
             Py_CLEAR(result);
             goto done;
@@ -357,8 +356,9 @@ graph_replay_for_slots(GraphReplay *self, PyObject *args)
         Py_TYPE(self), self->inputs, self->replay, self->written, self->outputs, self->pinned,
         self->moved, map, nargs, single);
     PyMem_Free(map);
-    if (made != NULL && self->kept != NULL) {   /* a bucket's call stays one */
-        made->kept = Py_NewRef(self->kept);
+    if (made != NULL && self->input_views != NULL) {   /* a bucket's call stays one */
+        made->input_views = Py_NewRef(self->input_views);
+        made->output_views = Py_NewRef(self->output_views);
         for (Py_ssize_t i = 0; i < n; i++) {
             made->flags[i] |= self->flags[i] & FREE;
         }
@@ -366,42 +366,69 @@ graph_replay_for_slots(GraphReplay *self, PyObject *args)
     return (PyObject *)made;
 }
 
+/* Per buffer of `buffers`, None or the view of the leading `sizes[i]` (a tuple of
+ * ints, or None for all of it): a new tuple, or NULL with an exception. */
+static PyObject *
+leading_views(PyObject *buffers, PyObject *sizes, const char *what)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(buffers);
+    if (PyTuple_GET_SIZE(sizes) != n) {
+        PyErr_Format(PyExc_ValueError, "for_sizes: %s sizes must have one entry per %s (%zd)",
+                     what, what, n);
+        return NULL;
+    }
+    PyObject *views = PyTuple_New(n);
+    for (Py_ssize_t i = 0; views != NULL && i < n; i++) {
+        PyObject *kept = PyTuple_GET_ITEM(sizes, i), *view;
+        char where[48];
+        PyOS_snprintf(where, sizeof(where), "%s %zd", what, i);
+        if (kept == Py_None) {
+            view = Py_NewRef(Py_None);
+        }
+        else if (!PyTuple_Check(kept)) {
+            PyErr_Format(PyExc_TypeError, "for_sizes: %s's sizes must be a tuple of ints or "
+                         "None, not %.200s", where, Py_TYPE(kept)->tp_name);
+            view = NULL;
+        }
+        else if (!is_plain_tensor(PyTuple_GET_ITEM(buffers, i))) {
+            PyErr_Format(PyExc_ValueError, "for_sizes: %s is not a tensor: it has no sizes "
+                         "to keep", where);
+            view = NULL;
+        }
+        else {
+            view = nns_replay_leading(PyTuple_GET_ITEM(buffers, i), kept, where);
+        }
+        if (view == NULL) {
+            Py_CLEAR(views);
+            break;
+        }
+        PyTuple_SET_ITEM(views, i, view);
+    }
+    return views;
+}
+
 static PyObject *
 graph_replay_for_sizes(GraphReplay *self, PyObject *args)
 {
-    PyObject *free, *kept;
-    if (!PyArg_ParseTuple(args, "O!O!:for_sizes", &PyTuple_Type, &free, &PyTuple_Type, &kept)) {
+    PyObject *free, *kept_inputs, *kept_outputs;
+    if (!PyArg_ParseTuple(args, "O!O!O!:for_sizes", &PyTuple_Type, &free, &PyTuple_Type,
+                          &kept_inputs, &PyTuple_Type, &kept_outputs)) {
         return NULL;
-    }
-    Py_ssize_t m = PyTuple_GET_SIZE(self->outputs);
-    if (PyTuple_GET_SIZE(kept) != m) {
-        PyErr_Format(PyExc_ValueError, "for_sizes: kept must have one entry per output (%zd)", m);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *sizes = PyTuple_GET_ITEM(kept, i);
-        if (sizes == Py_None) {
-            continue;
-        }
-        if (!PyTuple_Check(sizes)) {
-            PyErr_Format(PyExc_TypeError, "for_sizes: output %zd's sizes must be a tuple of "
-                         "ints or None, not %.200s", i, Py_TYPE(sizes)->tp_name);
-            return NULL;
-        }
-        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(sizes); d++) {
-            if (!PyLong_Check(PyTuple_GET_ITEM(sizes, d))) {
-                PyErr_Format(PyExc_TypeError, "for_sizes: output %zd's sizes must be ints", i);
-                return NULL;
-            }
-        }
     }
     Py_ssize_t n = PyTuple_GET_SIZE(self->inputs);
-    GraphReplay *made = (GraphReplay *)graph_replay_make(
+    PyObject *input_views = leading_views(self->inputs, kept_inputs, "input");
+    PyObject *output_views = input_views == NULL ? NULL
+                             : leading_views(self->outputs, kept_outputs, "output");
+    GraphReplay *made = output_views == NULL ? NULL : (GraphReplay *)graph_replay_make(
         Py_TYPE(self), self->inputs, self->replay, self->written, self->outputs, self->pinned,
         self->moved, self->slots, self->nargs, self->single);
     if (made == NULL) {
+        Py_XDECREF(input_views);
+        Py_XDECREF(output_views);
         return NULL;
     }
+    made->input_views = input_views;
+    made->output_views = output_views;
     if (mark_inputs(made->flags, free, n, FREE, "free") < 0) {
         Py_DECREF(made);
         return NULL;
@@ -413,8 +440,14 @@ graph_replay_for_sizes(GraphReplay *self, PyObject *args)
             Py_DECREF(made);
             return NULL;
         }
+        if ((made->flags[i] & (PINNED | WRITTEN)) &&
+            PyTuple_GET_ITEM(input_views, i) != Py_None) {
+            PyErr_Format(PyExc_ValueError, "for_sizes: input %zd is pinned or written in "
+                         "place: it cannot be a part of its buffer", i);
+            Py_DECREF(made);
+            return NULL;
+        }
     }
-    made->kept = Py_NewRef(kept);
     return (PyObject *)made;
 }
 
@@ -427,7 +460,8 @@ graph_replay_traverse(GraphReplay *self, visitproc visit, void *arg)
     Py_VISIT(self->written);
     Py_VISIT(self->pinned);
     Py_VISIT(self->moved);
-    Py_VISIT(self->kept);
+    Py_VISIT(self->input_views);
+    Py_VISIT(self->output_views);
     return 0;
 }
 
@@ -440,7 +474,8 @@ graph_replay_clear(GraphReplay *self)
     Py_CLEAR(self->written);
     Py_CLEAR(self->pinned);
     Py_CLEAR(self->moved);
-    Py_CLEAR(self->kept);
+    Py_CLEAR(self->input_views);
+    Py_CLEAR(self->output_views);
     return 0;
 }
 
@@ -466,8 +501,10 @@ static PyMemberDef graph_replay_members[] = {
      "called with the inputs when a pinned one is not the recorded tensor"},
     {"single", T_INT, offsetof(GraphReplay, single), READONLY,
      "returns the one output itself, not a tuple"},
-    {"kept", T_OBJECT, offsetof(GraphReplay, kept), READONLY,
-     "None, or per output None or the leading sizes handed out (for_sizes)"},
+    {"input_views", T_OBJECT, offsetof(GraphReplay, input_views), READONLY,
+     "None, or per input None or the leading part of its buffer a call fills (for_sizes)"},
+    {"output_views", T_OBJECT, offsetof(GraphReplay, output_views), READONLY,
+     "None, or per output None or the leading part handed out (for_sizes)"},
     {"__vectorcalloffset__", T_PYSSIZET, offsetof(GraphReplay, vectorcall), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
@@ -477,10 +514,11 @@ static PyMethodDef graph_replay_methods[] = {
      "for_slots(slots, nargs, single): this recording called with a frame's nargs slots "
      "(input i is slot slots[i]); `single` returns the one output itself."},
     {"for_sizes", (PyCFunction)graph_replay_for_sizes, METH_VARARGS,
-     "for_sizes(free, kept): this recording run for a call of smaller sizes (a padded "
-     "bucket): each tensor argument is copied into the leading positions of its buffer, "
-     "the int inputs in `free` are the call's own sizes (the recording's are used), and "
-     "output i is cut back to the sizes kept[i] (None: all of it)."},
+     "for_sizes(free, kept_inputs, kept_outputs): this recording run for a call of "
+     "smaller sizes (a padded bucket): argument i is copied into the leading "
+     "kept_inputs[i] positions of its buffer, output i's leading kept_outputs[i] "
+     "positions are cloned out (None: all of it), and the int inputs in `free` are the "
+     "call's own sizes (the recording's are used)."},
     {NULL, NULL, 0, NULL},
 };
 

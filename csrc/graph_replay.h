@@ -32,14 +32,13 @@
  * entry runs no Python frame of this project on a hit (runners/codegen.py decides
  * when the generated runner would only pass slots through).
  *
- * `for_sizes(free, kept)` is the same recording run for a call of smaller sizes (a
- * size bucket with padding, nnscaler_eval/runners/size_buckets.py): each tensor
- * argument is copied into the leading positions of its buffer (`buffer[:n0, :n1]`;
- * larger sizes or another number of dimensions are a ValueError), the positions
- * past them keep what they held; the int inputs in `free` are the call's own sizes
- * and are not compared (the recording runs at its own); each output i is cloned
- * only in its leading sizes kept[i] (None: all of it), a contiguous tensor of the
- * call's sizes.
+ * `for_sizes(free, kept_inputs, kept_outputs)` is the same recording run for a call
+ * of smaller sizes (a size bucket with padding, nnscaler_eval/runners/size_buckets.py):
+ * the views of each buffer's leading positions (`buffer[:n0, :n1]`) are made once,
+ * here; a call copies argument i into its input view (other sizes are a ValueError,
+ * as for a whole buffer), the positions past it keep what they held, and output i is
+ * cloned from its view, a tensor of the call's sizes.  The int inputs in `free` are
+ * the call's own sizes and are not compared (the recording runs at its own).
  *
  * replay() is Python in the middle of the call: it may call this object again or drop
  * every other reference to it; the object holds itself for the call. */

@@ -3,7 +3,6 @@
 
 #include <exception>
 #include <string>
-#include <vector>
 
 #include "tensor_meta.h"
 
@@ -101,62 +100,10 @@ nns_replay_same_memory(PyObject *a, PyObject *b)
 #endif
 }
 
-#ifdef NNS_NO_TORCH_HEADERS
-/* `t[:n0, :n1, ...]` for the sizes of `like` (a tensor) or the tuple `sizes`,
- * through the tensor's own methods. */
-static PyObject *
-leading_view(PyObject *t, PyObject *sizes)
-{
-    PyObject *view = Py_NewRef(t);
-    for (Py_ssize_t d = 0; view != NULL && d < PyTuple_GET_SIZE(sizes); d++) {
-        Py_SETREF(view, PyObject_CallMethod(view, "narrow", "nnO", d, (Py_ssize_t)0,
-                                            PyTuple_GET_ITEM(sizes, d)));
-    }
-    return view;
-}
-#else
-/* `t[:n0, :n1, ...]` for `sizes`, refusing (ValueError naming `what`) a size larger
- * than t's or another number of dimensions. */
-static bool
-leading_view(const at::Tensor &t, c10::IntArrayRef sizes, const char *what, at::Tensor *out)
-{
-    if ((int64_t)sizes.size() != t.dim()) {
-        PyErr_Format(PyExc_ValueError, "graph replay: %s has %zd dimensions, the recording's %zd",
-                     what, (Py_ssize_t)sizes.size(), (Py_ssize_t)t.dim());
-        return false;
-    }
-    at::Tensor view = t;
-    for (int64_t d = 0; d < t.dim(); d++) {
-        if (sizes[d] > t.sizes()[d] || sizes[d] < 0) {
-            PyErr_Format(PyExc_ValueError, "graph replay: %s has size %lld in dimension %lld, "
-                         "more than the recording's %lld", what, (long long)sizes[d],
-                         (long long)d, (long long)t.sizes()[d]);
-            return false;
-        }
-        if (sizes[d] != t.sizes()[d]) {
-            view = view.narrow(d, 0, sizes[d]);
-        }
-    }
-    *out = view;
-    return true;
-}
-#endif
-
 extern "C" int
-nns_replay_copy(PyObject *dst, PyObject *src, const char *what, int prefix)
+nns_replay_copy(PyObject *dst, PyObject *src, const char *what)
 {
 #ifdef NNS_NO_TORCH_HEADERS
-    if (prefix) {
-        PyObject *sizes = PyObject_GetAttrString(src, "shape");
-        PyObject *view = sizes == NULL ? NULL : leading_view(dst, sizes);
-        Py_XDECREF(sizes);
-        if (view == NULL) {
-            return -1;
-        }
-        int done = nns_replay_copy(view, src, what, 0);
-        Py_DECREF(view);
-        return done;
-    }
     PyObject *ds = PyObject_GetAttrString(dst, "shape");
     PyObject *ss = ds == NULL ? NULL : PyObject_GetAttrString(src, "shape");
     int equal = ss == NULL ? -1 : PyObject_RichCompareBool(ds, ss, Py_EQ);
@@ -185,18 +132,13 @@ nns_replay_copy(PyObject *dst, PyObject *src, const char *what, int prefix)
         return -1;
     }
     try {
-        at::Tensor view = *target;
-        if (target->sizes() != source->sizes() &&
-            (!prefix || !leading_view(*target, source->sizes(), what, &view))) {
-            if (!prefix) {
-                PyErr_Format(PyExc_ValueError, "graph replay: %s has sizes %s, the "
-                             "recording's %s", what, sizes_text(*source).c_str(),
-                             sizes_text(*target).c_str());
-            }
+        if (target->sizes() != source->sizes()) {
+            PyErr_Format(PyExc_ValueError, "graph replay: %s has sizes %s, the recording's %s",
+                         what, sizes_text(*source).c_str(), sizes_text(*target).c_str());
             return -1;
         }
         at::AutoGradMode no_grad(false);
-        view.copy_(*source);
+        const_cast<at::Tensor *>(target)->copy_(*source);
         return 0;
     }
     catch (const std::exception &e) {
@@ -207,37 +149,69 @@ nns_replay_copy(PyObject *dst, PyObject *src, const char *what, int prefix)
 }
 
 extern "C" PyObject *
-nns_replay_clone(PyObject *t, PyObject *sizes)
+nns_replay_clone(PyObject *t)
 {
 #ifdef NNS_NO_TORCH_HEADERS
-    PyObject *view = sizes == NULL ? Py_NewRef(t) : leading_view(t, sizes);
-    PyObject *copy = view == NULL ? NULL : PyObject_CallMethod(view, "clone", NULL);
-    Py_XDECREF(view);
-    return copy;
+    return PyObject_CallMethod(t, "clone", NULL);
 #else
     const at::Tensor *tensor = unpack(t);
     if (tensor == nullptr) {
         return nullptr;
     }
-    std::vector<int64_t> kept;
-    if (sizes != NULL) {
-        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(sizes); d++) {
-            kept.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d)));
-            if (kept.back() == -1 && PyErr_Occurred()) {
-                return nullptr;
-            }
-        }
-    }
     try {
-        at::Tensor copy, view = *tensor;
-        if (sizes != NULL && !leading_view(*tensor, kept, "an output", &view)) {
-            return nullptr;
-        }
+        at::Tensor copy;
         {
             at::AutoGradMode no_grad(false);
-            copy = view.clone();
+            copy = tensor->clone();
         }
         return THPVariable_Wrap(std::move(copy));
+    }
+    catch (const std::exception &e) {
+        set_error(e);
+        return nullptr;
+    }
+#endif
+}
+
+extern "C" PyObject *
+nns_replay_leading(PyObject *t, PyObject *sizes, const char *what)
+{
+#ifdef NNS_NO_TORCH_HEADERS
+    PyObject *view = Py_NewRef(t);
+    for (Py_ssize_t d = 0; view != NULL && d < PyTuple_GET_SIZE(sizes); d++) {
+        Py_SETREF(view, PyObject_CallMethod(view, "narrow", "nnO", d, (Py_ssize_t)0,
+                                            PyTuple_GET_ITEM(sizes, d)));
+    }
+    (void)what;
+    return view;
+#else
+    const at::Tensor *tensor = unpack(t);
+    if (tensor == nullptr) {
+        return nullptr;
+    }
+    if (PyTuple_GET_SIZE(sizes) != tensor->dim()) {
+        PyErr_Format(PyExc_ValueError, "graph replay: %s has %zd dimensions, the recording's %zd",
+                     what, PyTuple_GET_SIZE(sizes), (Py_ssize_t)tensor->dim());
+        return nullptr;
+    }
+    try {
+        at::Tensor view = *tensor;
+        for (int64_t d = 0; d < tensor->dim(); d++) {
+            long long n = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d));
+            if (n == -1 && PyErr_Occurred()) {
+                return nullptr;
+            }
+            if (n < 0 || n > tensor->sizes()[d]) {
+                PyErr_Format(PyExc_ValueError, "graph replay: %s has size %lld in dimension "
+                             "%lld, more than the recording's %lld", what, n, (long long)d,
+                             (long long)tensor->sizes()[d]);
+                return nullptr;
+            }
+            if (n != tensor->sizes()[d]) {
+                view = view.narrow(d, 0, n);
+            }
+        }
+        return THPVariable_Wrap(std::move(view));
     }
     catch (const std::exception &e) {
         set_error(e);

@@ -23,17 +23,17 @@ extern "C" {
 int nns_replay_same_memory(PyObject *a, PyObject *b);
 
 /* `dst.copy_(src)` under no_grad, refusing a broadcast: sizes must be equal (a
- * ValueError naming `what` and both sizes otherwise).  With `prefix`, `src` may be
- * smaller than `dst` along any dimension (not in number of dimensions): it is copied
- * into the leading positions of each (`dst[:n0, :n1, ...]`), the rest of `dst` left
- * as it is.  0, or -1 with an exception. */
-int nns_replay_copy(PyObject *dst, PyObject *src, const char *what, int prefix);
+ * ValueError naming `what` and both sizes otherwise).  0, or -1 with an exception. */
+int nns_replay_copy(PyObject *dst, PyObject *src, const char *what);
 
-/* `t.clone()` (same strides where dense) under no_grad: a new reference, or NULL
- * with an exception.  With `sizes` (a tuple of ints, one per dimension, each at most
- * t's; NULL for all of t) the clone is of the leading positions only
- * (`t[:n0, :n1, ...]`), contiguous where those are not dense. */
-PyObject *nns_replay_clone(PyObject *t, PyObject *sizes);
+/* `t.clone()` (same strides where dense, else contiguous) under no_grad: a new
+ * reference, or NULL with an exception. */
+PyObject *nns_replay_clone(PyObject *t);
+
+/* The view `t[:n0, :n1, ...]` of the leading positions for `sizes` (a tuple of ints,
+ * one per dimension of t, each at most t's; a ValueError naming `what` otherwise): a
+ * new reference sharing t's memory, or NULL with an exception. */
+PyObject *nns_replay_leading(PyObject *t, PyObject *sizes, const char *what);
 
 #ifdef __cplusplus
 }

@@ -104,13 +104,14 @@ class GraphReplay:
     pinned: tuple[int, ...]
     moved: Callable[..., Any] | None
     single: int
-    kept: tuple[tuple[int, ...] | None, ...] | None
+    input_views: tuple[Any, ...] | None
+    output_views: tuple[Any, ...] | None
     def __init__(self, inputs: tuple[Any, ...], replay: Callable[[], Any],
                  written: tuple[int, ...], outputs: tuple[Any, ...], *, single: bool = ...,
                  pinned: tuple[int, ...] = ..., moved: Callable[..., Any] | None = ...) -> None: ...
     def for_slots(self, slots: tuple[int, ...], nargs: int, single: bool) -> GraphReplay: ...
-    def for_sizes(self, free: tuple[int, ...],
-                  kept: tuple[tuple[int, ...] | None, ...]) -> GraphReplay: ...
+    def for_sizes(self, free: tuple[int, ...], kept_inputs: tuple[tuple[int, ...] | None, ...],
+                  kept_outputs: tuple[tuple[int, ...] | None, ...]) -> GraphReplay: ...
     def __call__(self, *inputs: Any) -> Any: ...
 
 def install(ifexpr: Callable[..., Any], convert_frame: Callable[..., Any], rewrite_mode: object,

@@ -135,27 +135,36 @@ def test_a_bucket_call_copies_into_leading_positions_and_cuts_outputs_back():
         out.copy_(buffer.cumsum(1))
 
     recorded = _C.GraphReplay((buffer, 4), replay, (), (out, 4))
-    call = recorded.for_sizes((1,), ((2, 3), None))
+    call = recorded.for_sizes((1,), ((2, 3), None), ((2, 3), None))
     x = torch.arange(6.0).view(2, 3)
     result, four = call(x, 3)     # the int is the call's size: the recording runs at 4
     assert four == 4 and result.shape == (2, 3) and result.is_contiguous()
     assert torch.equal(result, x.cumsum(1))
     assert buffer[:, 3].tolist() == [-1.0, -1.0]          # past the call: left as it was
-    assert call.kept == ((2, 3), None) and recorded.kept is None
+    view = call.input_views[0]
+    assert view.shape == (2, 3) and view.data_ptr() == buffer.data_ptr()
+    assert recorded.input_views is None and call.output_views[1] is None
     by_slot = call.for_slots((1, 0), 2, False)          # stays a bucket's call
-    assert torch.equal(by_slot(3, x)[0], x.cumsum(1)) and by_slot.kept == call.kept
-    with pytest.raises(ValueError, match=r"size 5 in dimension 1, more than the recording's 4"):
-        call(torch.ones(2, 5), 5)
-    with pytest.raises(ValueError, match="has 1 dimensions, the recording's 2"):
-        call(torch.ones(2), 2)
+    assert torch.equal(by_slot(3, x)[0], x.cumsum(1)) and by_slot.input_views == call.input_views
+    with pytest.raises(ValueError, match=r"input 0 has sizes \[2, 4\], the recording's \[2, 3\]"):
+        call(torch.ones(2, 4), 4)
+    with pytest.raises(ValueError, match="size 5 in dimension 1, more than the recording's 4"):
+        recorded.for_sizes((), ((2, 5), None), (None, None))
+    with pytest.raises(ValueError, match="input 0 has 1 dimensions, the recording's 2"):
+        recorded.for_sizes((), ((2,), None), (None, None))
     with pytest.raises(ValueError, match="free input 0 is a tensor"):
-        recorded.for_sizes((0,), (None, None))
+        recorded.for_sizes((0,), (None, None), (None, None))
     with pytest.raises(ValueError, match="one entry per output"):
-        recorded.for_sizes((), (None,))
+        recorded.for_sizes((), (None, None), (None,))
     with pytest.raises(TypeError, match="tuple of ints or None"):
-        recorded.for_sizes((), ([2, 3], None))
+        recorded.for_sizes((), (None, None), ([2, 3], None))
+    with pytest.raises(ValueError, match="output 1 is not a tensor"):
+        recorded.for_sizes((), (None, None), (None, (1,)))
     with pytest.raises(IndexError, match="free input 2 out of range"):
-        recorded.for_sizes((2,), (None, None))
+        recorded.for_sizes((2,), (None, None), (None, None))
+    written = _C.GraphReplay((buffer,), replay, (0,), (out,))
+    with pytest.raises(ValueError, match="pinned or written in place"):
+        written.for_sizes((), ((2, 3),), (None,))
     assert torch.equal(call(x, 3)[0], x.cumsum(1))      # usable after each refusal
     with pytest.raises(ValueError, match="input 1 is 3, the recording's 4"):
         recorded(torch.ones(2, 4), 3)                   # the exact call still compares

@@ -211,17 +211,22 @@ def test_graph_replays_do_not_leak():
                 pass
             # a bucket's call: leading positions copied in and cloned out
             sized = _C.GraphReplay((buffer, 8), replay, (), (out, None)).for_sizes(
-                (1,), ((2,), None))
+                (1,), ((2,), None), ((2,), None))
             sized(torch.ones(2), 5)
-            sized.for_slots((1, 0), 2, False)(5, torch.ones(3))
-            for bad in ((torch.ones(6), 5), (torch.ones(2, 1), 5)):
+            sized.for_slots((1, 0), 2, False)(5, torch.ones(2))
+            for bad in ((torch.ones(3), 5), (torch.ones(2, 1), 5)):
                 try:
                     sized(*bad)
                 except ValueError:
                     pass
-            for free, kept in (((0,), (None, None)), ((), (None,)), ((), ("x", None))):
+            for free, kept_in, kept_out in (((0,), (None, None), (None, None)),
+                                            ((), (None,), (None, None)),
+                                            ((), ((5,), None), (None, None)),
+                                            ((), (None, None), ("x", None)),
+                                            ((), (None, None), (None, (1,)))):
                 try:
-                    _C.GraphReplay((buffer, 8), replay, (), (out, None)).for_sizes(free, kept)
+                    _C.GraphReplay((buffer, 8), replay, (), (out, None)).for_sizes(
+                        free, kept_in, kept_out)
                 except (TypeError, ValueError):
                     pass
 

@@ -24,8 +24,8 @@ ATen operations the graph runs (`plan()`):
   size, a slice or index counted from the end of a padded dimension are refusals too.
 
 At run time (`bucket_call`, `_C.GraphReplay.for_sizes`, csrc/graph_replay.h) the
-arguments go into the leading positions of the bucket's buffers and the outputs'
-leading positions are cloned out, in C.  A bucket is used only where it satisfies the capture's own shape guards
+arguments go into views of the leading positions of the bucket's buffers, made once
+per size, and the outputs' leading positions are cloned out, in C.  A bucket is used only where it satisfies the capture's own shape guards
 (a graph traced for sizes up to 512 is never run at 1024) and the caps above; else
 the call records its exact size, as without buckets.  The padded positions of the
 buffers hold copies of real arguments (the first recording's last position repeated,
@@ -842,21 +842,24 @@ class BucketPlan:
 
 
 def bucket_call(replay: Any, plan: BucketPlan, values: dict) -> Any:
-    """The bucket's recording run for a call of `values`: `replay.for_sizes` copies
-    each argument into the leading positions of its buffer and hands out the leading
-    positions of each output (csrc/graph_replay.h), in C."""
+    """The bucket's recording run for a call of `values`: `replay.for_sizes` makes the
+    views of its buffers' leading positions once; a call copies into them and clones
+    out of them, in C (csrc/graph_replay.h)."""
+    def kept(buffers: tuple, dims_of: tuple) -> tuple:
+        out = []
+        for buffer, dims in zip(buffers, dims_of):
+            if not isinstance(dims, tuple) or not dims or not isinstance(buffer, torch.Tensor):
+                out.append(None)
+                continue
+            sizes = list(buffer.shape)
+            for dim, extent in dims:
+                sizes[dim] = int(extent.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+            out.append(tuple(sizes))
+        return tuple(out)
+
     free = tuple(i for i, s in enumerate(plan.inputs) if s is not None and not isinstance(s, tuple))
-    kept = []
-    for j, out in enumerate(replay.outputs):
-        dims = plan.outputs[j] if j < len(plan.outputs) else ()
-        if not dims or not isinstance(out, torch.Tensor):
-            kept.append(None)
-            continue
-        sizes = list(out.shape)
-        for dim, symbol in dims:
-            sizes[dim] = values[symbol]
-        kept.append(tuple(sizes))
-    return replay.for_sizes(free, tuple(kept))
+    outputs = tuple(plan.outputs) + ((),) * (len(replay.outputs) - len(plan.outputs))
+    return replay.for_sizes(free, kept(replay.inputs, plan.inputs), kept(replay.outputs, outputs))
 
 
 def plan(gm: Any, example_inputs: list) -> BucketPlan:
