@@ -72,6 +72,19 @@ class Gathers(nn.Module):
         return self.table.index_select(0, idx.flatten()).view(*idx.shape, 8) * w.unsqueeze(-1)
 
 
+class ClassToken(nn.Module):
+    """A token prepended (the length becomes L + 1), read back, and cut off again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(torch.cat([self.cls.expand(x.shape[0], 1, 8), x], 1)).cumsum(1)
+        return h[:, 0], h[:, 1:] * 2, torch.diff(x, dim=1, prepend=x[:, :1])
+
+
 def _ids(b=2):
     return lambda n: (torch.randint(0, 100, (b, n)),)
 
@@ -85,6 +98,7 @@ SOUND = [
     # (the capture of a CPU convolution guards batch < 16: buckets stop at 15)
     ("convolution over a padded batch", Batchwise, lambda n: (torch.randn(min(n, 15), 3, 10),),
      [(0, 0, 15)]),
+    ("a class token, a shift", ClassToken, lambda n: (torch.randn(2, n, 8),), [(0, 1)]),
     ("lookups by the caller's indices", Gathers,
      lambda n: (torch.randint(0, 50, (2, n)), torch.randn(2, n)), [(0, 1), (1, 1)]),
 ]

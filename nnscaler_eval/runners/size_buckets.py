@@ -8,28 +8,35 @@ dimension, and its outputs are cut back to n.  That is right only where the posi
 n..S-1 cannot reach the first n, and this module decides where, op by op, on the
 ATen operations the graph runs (`plan()`):
 
-- the graph runs once on its fake inputs under a dispatch mode that follows which
-  dimensions of each tensor have a padded size (a symbol of the capture's ShapeEnv);
-- an operation is sound when every position of its result below n along those
-  dimensions depends only on positions below n of its operands, with the function it
-  has at size n: pointwise operations (torch's `pointwise` tag), moves and views that
-  keep a padded dimension whole, reductions, contractions and norms over other
-  dimensions, cumulative operations, causal attention over a padded sequence,
-  indexing by padded indices that are copies of the caller's (or `arange`, with the
-  bucket capped at the indexed table's size), fills and `arange` of the padded size;
+- the graph runs once on its fake inputs under a dispatch mode that follows, per
+  tensor, how padded sizes (symbols of the capture's ShapeEnv) lie in its dimensions
+  (`layout`: row-major factors, so batch and length merged by a view and split again
+  stay apart) and which dimensions are extended or cut at their end (`s + c`: kept
+  positions the first n + c);
+- an operation is sound when every kept position of its result depends only on
+  kept positions of its operands, with the function it has at size n: pointwise
+  operations (torch's `pointwise` tag), moves and views that keep a padded factor
+  whole, reductions, contractions and norms over other dimensions, cumulative
+  operations, slices from the front, concatenation with the padded operand last,
+  attention that is causal over a padded sequence (by `is_causal`, or by a mask the
+  graph builds from positions: `k <= q` of aranges, ANDed with anything, or turned
+  into 0 / -inf), lookups by indices copied from the caller or by an `arange` of
+  the padded size (the bucket capped at the table's size), fills;
 - what has no such rule taints its results, and a taint that reaches an output, an
   in-place write to a tensor not yet tainted, a Python value or a data-dependent size
-  refuses the plan, with the operation named;
+  refuses the symbol, with the operation named;
 - a size used as a number (`x / L`), a write to an input, a random draw of padded
-  size, a slice or index counted from the end of a padded dimension are refusals too.
+  size, a position counted from the end of a padded dimension are refusals too, and
+  so is a run that fixes a symbolic size (the ShapeEnv is put back as it was).
 
 At run time (`bucket_call`, `_C.GraphReplay.for_sizes`, csrc/graph_replay.h) the
 arguments go into views of the leading positions of the bucket's buffers, made once
-per size, and the outputs' leading positions are cloned out, in C.  A bucket is used only where it satisfies the capture's own shape guards
-(a graph traced for sizes up to 512 is never run at 1024) and the caps above; else
-the call records its exact size, as without buckets.  The padded positions of the
-buffers hold copies of real arguments (the first recording's last position repeated,
-later calls' leftovers), so indices read there are always valid ones.
+per size, and the outputs' leading positions are cloned out, in C.  A bucket is used
+only where it satisfies the capture's own shape guards (a graph traced for sizes up
+to 512 is never run at 1024) and the caps above; else the call records its exact
+size, as without buckets.  The padded positions of the buffers hold copies of real
+arguments (the first recording's last position repeated, later calls' leftovers), so
+indices read there are always valid ones.
 """
 from __future__ import annotations
 
@@ -674,7 +681,10 @@ class _Padding(TorchDispatchMode):
             return None
         if symbol is _MIXED:
             return "aten.select picks a position of merged padded dimensions"
-        if type(index) is not int or index < 0 or index >= self.ranges[symbol][0]:
+        # a kept position: below the smallest extent the symbol's range allows
+        base = _padded_symbol(symbol, self.padded)
+        lowest = self.ranges[base][0] + int(symbol - base)
+        if type(index) is not int or index < 0 or index >= lowest:
             return "aten.select picks a position counted from the end of a padded dimension"
         return None
 
