@@ -165,9 +165,34 @@ def test_a_bucket_call_copies_into_leading_positions_and_cuts_outputs_back():
     written = _C.GraphReplay((buffer,), replay, (0,), (out,))
     with pytest.raises(ValueError, match="pinned or written in place"):
         written.for_sizes((), ((2, 3),), (None,))
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match="takes torch.Tensor arguments"):
+        call(x.as_subclass(Sub), 3)                     # never its __torch_function__
+
+    class Size:
+        """A size whose __index__ drops every other reference to the recording, or
+        raises: Python in the middle of making the views."""
+        def __init__(self, fail):
+            self.fail = fail
+
+        def __index__(self):
+            nonlocal recorded
+            if self.fail:
+                raise RuntimeError("no size")
+            recorded = None
+            gc.collect()
+            return 3
+
+    with pytest.raises(RuntimeError, match="no size"):
+        recorded.for_sizes((1,), ((2, Size(True)), None), (None, None))
+    dropped = recorded.for_sizes((1,), ((2, Size(False)), None), ((2, 3), None))
+    assert recorded is None and dropped.input_views[0].shape == (2, 3)
+    assert torch.equal(dropped(x, 3)[0], x.cumsum(1))
     assert torch.equal(call(x, 3)[0], x.cumsum(1))      # usable after each refusal
     with pytest.raises(ValueError, match="input 1 is 3, the recording's 4"):
-        recorded(torch.ones(2, 4), 3)                   # the exact call still compares
+        _C.GraphReplay((buffer, 4), replay, (), (out, 4))(torch.ones(2, 4), 3)   # exact: compares
 
 
 def test_outputs_that_are_not_tensors_come_back_as_they_are():

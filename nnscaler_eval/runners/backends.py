@@ -308,9 +308,9 @@ class PerSizeCompiled:
             if replay is None:
                 return None
             replay = self.compiled.setdefault(key, replay)
-            if not size_buckets.is_replay(replay):
+            if not isinstance(replay, _C.GraphReplay):
                 self.buckets = None   # not a recording: buckets would save nothing
                 return None
-        if not size_buckets.is_replay(replay) or set(replay.pinned) & set(padded):
+        if not isinstance(replay, _C.GraphReplay) or set(replay.pinned) & set(padded):
             return None
         return size_buckets.bucket_call(replay, plan, values)

@@ -267,10 +267,10 @@ class Padding(TorchDispatchMode):
             raise Refused(f"aten.{name} writes in place where padding would change what it "
                           f"writes ({reason})")
         tags = set(func.tags)
-        if name == "index":   # its tag is for masks: long indices give a static shape
-            masks = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                        for i in bound["indices"])
-            tags.discard(torch.Tag.dynamic_output_shape) if not masks else None
+        if name == "index" and not any(isinstance(i, torch.Tensor) and i.dtype in (
+                torch.bool, torch.uint8) for i in bound["indices"]):
+            # its tag is for boolean masks: long indices give a static shape
+            tags.discard(torch.Tag.dynamic_output_shape)
         if (padded_in or inherited) and (torch.Tag.data_dependent_output in tags
                                          or torch.Tag.dynamic_output_shape in tags):
             raise Refused(f"aten.{name} reads values of a padded tensor into a size or a "

@@ -39,10 +39,9 @@ from typing import Any, Optional
 import sympy
 import torch
 
-from nnscaler_eval import _C
 from nnscaler_eval.runners.padding_rules import MIXED, Padding, Refused, free_symbols, sym_expr
 
-__all__ = ["BucketPlan", "Refused", "bucket_call", "is_replay", "plan"]
+__all__ = ["BucketPlan", "Refused", "bucket_call", "plan"]
 
 
 # -- the plan ---------------------------------------------------------------------------
@@ -316,6 +315,3 @@ class _ShapeEnvState:
         env._update_version_counter()
         return ", ".join(changed[:3]) or "a size's range"
 
-
-def is_replay(compiled: Any) -> bool:
-    return isinstance(compiled, _C.GraphReplay)
