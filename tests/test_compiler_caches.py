@@ -254,6 +254,63 @@ def test_inductor_start_begun_early_gives_inductors_own_answers(tmp_path):
         name for name in early["candidates"] if name in {isa[0] for isa in alone["valid"]}]
 
 
+_ISA_WAIT = r"""
+import json, threading, time
+from torch._inductor import cpu_vec_isa
+from nnscaler_eval.runners import inductor_start
+
+asked = cpu_vec_isa.valid_vec_isa_list
+builds = []
+
+
+def slow_build(self, code):
+    # Stands in for the C++ build and load, slow enough that Inductor's question
+    # comes while every candidate is still being answered.
+    builds.append(str(self))
+    time.sleep(1.0)
+    builds.append(("done", str(self), time.monotonic()))
+    return True
+
+
+cpu_vec_isa.VecISA.check_build = slow_build
+inductor_start.begin()
+inductor_start.ready()
+waiting = cpu_vec_isa.valid_vec_isa_list is not asked
+valid = cpu_vec_isa.valid_vec_isa_list()      # Inductor's question, from this thread
+answered = time.monotonic()
+inductor_start.finish()
+built = len(builds)
+cpu_vec_isa.valid_vec_isa_list()
+print(json.dumps({
+    "asked_again": len(builds) - built,
+    "waiting": waiting,
+    "valid": [str(isa) for isa in valid],
+    "asked_once": [b for b in builds if isinstance(b, str)],
+    "answered_after_builds": all(b[2] <= answered for b in builds if not isinstance(b, str)),
+    "restored": cpu_vec_isa.valid_vec_isa_list is asked,
+    "candidates": [str(isa) for isa in inductor_start._candidates(cpu_vec_isa)],
+}))
+"""
+
+
+def test_inductors_question_waits_for_the_answers_begun(tmp_path):
+    """Inductor asks while the threads still answer: its `valid_vec_isa_list` waits for
+    them (the question is answered once per candidate, by the threads), and once they
+    are done Inductor's own function is back in place."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _ISA_WAIT], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if not out["candidates"]:
+        pytest.skip("no vector instruction set to ask about on this machine")
+    assert out["waiting"]
+    assert set(out["asked_once"]) == set(out["candidates"]) and out["asked_again"] == 0
+    assert out["valid"] == out["candidates"]
+    assert out["answered_after_builds"]
+    assert out["restored"]
+
+
 def test_inductor_start_begins_only_for_inductor_on_the_cpu(monkeypatch):
     from nnscaler_eval.runners import inductor_start
 

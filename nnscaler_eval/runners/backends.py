@@ -57,12 +57,13 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
     `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
     need before they keep anything across processes.  Inductor's per-process start,
-    begun earlier by runners/inductor_start.py, is finished first."""
+    begun earlier by runners/inductor_start.py, goes on beside it: Inductor's own
+    questions wait for it."""
     # Here, not at the top: torch does not import it, and it costs about 15 ms that
     # only a compiling backend needs.
     from torch._functorch import config as functorch_config
 
-    inductor_start.finish()
+    inductor_start.ready()
     with functorch_config.patch(force_non_lazy_backward_lowering=True), \
             backend_form.as_dynamo_hands_it(gm, example_inputs):
         return backend_fn(gm, example_inputs)

@@ -13,19 +13,24 @@ generation.
 it memoises per candidate), one thread per candidate, as soon as a module is compiled
 or a capture starts for Inductor on the CPU: the builds and loads run in child
 processes, beside each other and beside the import of Dynamo, the user's code between
-`compile()` and the first call, and the capture.  `finish()` waits for them before a
-graph is handed to Inductor, so Inductor finds every answer made and never runs the
-same question concurrently (its AVX-512 question edits the candidate's flags while it
-runs).  Nothing is decided here: the answers and their side effects are Inductor's.
-A question that fails is left unanswered; Inductor asks it again and reports it.
+`compile()` and the first call, the capture, AOTAutograd and Inductor's lowering.
+Inductor must not ask a question that is still being answered (its AVX-512 question
+edits the candidate's flags while it runs), so while the threads run, Inductor's
+`cpu_vec_isa.valid_vec_isa_list` (the one place it asks, memoised; every later use
+of an answer goes through it) first waits for them: Inductor's first C++ code
+generation, not the start of a compile, is where a first call waits.  The threads
+put Inductor's function back when they are done.  Nothing is decided here: the
+answers and their side effects are Inductor's.  A question that fails is left
+unanswered; Inductor asks it again and reports it.
 
 Only compiles for Inductor of something that computes on the CPU begin it: a model
 on a GPU does not need the CPU's instruction sets and pays nothing.
 """
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -33,6 +38,9 @@ from nnscaler_eval import _C
 
 _lock = threading.Lock()
 _asking: Optional[threading.Thread] = None
+# Set once Inductor's questions wait for the threads (or once there is nothing to
+# wait for): from then on Inductor may run.
+_guarded = threading.Event()
 
 
 def begin_for(backend_name: str, module: Any = None, values: Iterable[Any] = ()) -> None:
@@ -55,9 +63,16 @@ def _start_once() -> None:
         _asking.start()
 
 
+def ready() -> None:
+    """Before a graph is handed to Inductor: wait until Inductor's questions wait for
+    the threads (a moment after `begin()`), not for the answers.  A Ctrl-C interrupts
+    the wait."""
+    if _asking is not None:
+        _guarded.wait()
+
+
 def finish() -> None:
-    """Wait for the questions begun, before Inductor asks them itself.  A Ctrl-C
-    interrupts the wait (the threads go on; the next compile waits again)."""
+    """Wait for every answer begun.  A Ctrl-C interrupts the wait (the threads go on)."""
     asking = _asking
     if asking is not None and asking.is_alive():
         asking.join()
@@ -80,15 +95,43 @@ def _ask_every_candidate() -> None:
         from torch._inductor import cpu_vec_isa
 
         candidates = _candidates(cpu_vec_isa)
+        asked = cpu_vec_isa.valid_vec_isa_list
     except Exception:  # a torch without Inductor's CPU backend: nothing to begin
+        _guarded.set()
         return
-    askers = [threading.Thread(target=_ask, args=(isa,), daemon=True,
-                               name=f"nnscaler-inductor-start-{i}")
-              for i, isa in enumerate(candidates)]
-    for asker in askers:
-        asker.start()
-    for asker in askers:
-        asker.join()
+    askers: list[threading.Thread] = []
+    for i, isa in enumerate(candidates):
+        asker = threading.Thread(target=_ask, args=(isa,), daemon=True,
+                                 name=f"nnscaler-inductor-start-{i}")
+        try:
+            asker.start()
+        except RuntimeError:   # no thread to be had: Inductor asks the rest itself
+            break
+        askers.append(asker)
+    waiting = _waiting_for(askers, asked)
+    cpu_vec_isa.valid_vec_isa_list = waiting
+    _guarded.set()
+    try:
+        for asker in askers:
+            asker.join()
+    finally:
+        if cpu_vec_isa.valid_vec_isa_list is waiting:
+            cpu_vec_isa.valid_vec_isa_list = asked
+
+
+def _waiting_for(askers: list[threading.Thread], asked: Callable[[], Any]) -> Callable[[], Any]:
+    """Inductor's `valid_vec_isa_list`, which first waits for the threads asking."""
+    @functools.wraps(asked)
+    def valid_vec_isa_list() -> Any:
+        for asker in askers:
+            if asker is not threading.current_thread():
+                asker.join()
+        return asked()
+
+    cache_clear = getattr(asked, "cache_clear", None)
+    if cache_clear is not None:
+        valid_vec_isa_list.cache_clear = cache_clear  # type: ignore[attr-defined]
+    return valid_vec_isa_list
 
 
 def _candidates(cpu_vec_isa: Any) -> list[Any]:
