@@ -30,7 +30,14 @@ and over every warm process (warm), and the ratios ours / torch.compile() of tho
 medians.  The warm processes also report the caches' counters (`fxgraph_cache_hit`,
 `autograd_cache_hit`, bypasses) from `torch._dynamo.utils.counters`.
 
-Writes benchmarks/results/cold-start-<date>[-quick].{md,json} unless `--no-write`.
+One thing outside the cache folder is not cold: Inductor keeps the precompiled header
+its CPU kernels include (`cpp_prefix.h`, about 4.6 s of g++ to make) in its default
+folder (`<tmp>/torchinductor_<user>/precompiled_headers`, keyed by compiler and
+flags), whatever `TORCHINDUCTOR_CACHE_DIR` says: only the first process ever on a
+machine makes it, for every system alike.
+
+Writes benchmarks/results/cold-start-<date>-<N>-blocks[-quick].{md,json} unless
+`--no-write`.
 """
 
 from __future__ import annotations
@@ -264,7 +271,8 @@ def main() -> None:
     report = _report(meta, samples)
     print(report)
     if not args.no_write:
-        stem = f"cold-start-{meta['date']}{'-quick' if args.quick else ''}"
+        stem = (f"cold-start-{meta['date']}-{layers}-blocks"
+                f"{'-quick' if args.quick else ''}")
         with open(os.path.join(RESULTS, stem + ".json"), "w") as f:
             json.dump({"meta": meta, "samples": samples}, f, indent=1)
         with open(os.path.join(RESULTS, stem + ".md"), "w") as f:
