@@ -9,6 +9,7 @@
 #include "code_state.h"
 #include "frame_record.h"
 #include "held_lock.h"
+#include "paused_collections.h"
 #include "hooked_call.h"
 #include "compat.h"
 #include "arming.h"
@@ -432,6 +433,10 @@ static PyMethodDef module_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "call_holding(lock, fn, /, *args, **kwargs): fn(*args, **kwargs) with `lock` held,\n"
      "acquired and released in C: no interrupt can land between (csrc/held_lock.h)."},
+    {"call_without_collections", (PyCFunction)(void (*)(void))call_without_collections,
+     METH_FASTCALL | METH_KEYWORDS,
+     "call_without_collections(fn, /, *args, **kwargs): fn(*args, **kwargs) with no\n"
+     "automatic garbage collection meanwhile, resumed in C (csrc/paused_collections.h)."},
     {"_stack_room", recursion_stack_room, METH_NOARGS,
      "_stack_room() -> (free, size): C stack bytes left here and the thread's stack size."},
     {NULL, NULL, 0, NULL},

@@ -484,11 +484,17 @@ def _capture(config: CompileConfig, fn: Callable[..., Any], code: Any, self: Any
             fake if fake is not real else traced
             for fake, real, traced in zip(symbolic.values, slots[first:], traced_slots[first:]))
     recorder = state_guards.CodeRecorder()
-    with recorder, compile_safe_paths():
-        capture = tracer.capture(fn, traced_slots, slot_names, root=self,
-                                 fullgraph=config.fullgraph and symbolic is None,
-                                 call=slot_call(fn, code, traced_slots, caller_depth),
-                                 symbolic=symbolic, rebuild_objects=True)
+
+    def recorded() -> Any:
+        with recorder, compile_safe_paths():
+            return tracer.capture(fn, traced_slots, slot_names, root=self,
+                                  fullgraph=config.fullgraph and symbolic is None,
+                                  call=slot_call(fn, code, traced_slots, caller_depth),
+                                  symbolic=symbolic, rebuild_objects=True)
+
+    # What a garbage collection would run meanwhile is not the forward's: neither
+    # recorded nor guarded (tracing/asynchronous.py).
+    capture = _C.call_without_collections(recorded)
     # The state walk serves value guards, which only entries with a graph get.
     # Guards describe the state a call starts from: attributes the forward wrote
     # (replayed by the runner) are read as they were before it.

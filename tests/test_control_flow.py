@@ -610,8 +610,8 @@ def test_a_collection_during_a_side_runs_the_users_gc_callbacks_as_written():
     """Collections forced on every allocation while a forward with a tensor `if` is
     captured: none runs while a side is traced as checked code, so the user's gc
     callback is never refused there (no "Exception ignored"), its count is kept, and
-    the `if` is still converted.  (Outside the sides its reads are the forward's:
-    a recapture at worst.)"""
+    the `if` is still converted.  (No collection runs during the trace at all:
+    tracing/asynchronous.py.)"""
     stats = {"collections": 0}
 
     def count(phase, info):

@@ -1421,3 +1421,60 @@ def test_python_in_the_middle_of_learning_a_forward():
         return seen
 
     assert outcomes(True) == outcomes(False)
+
+
+# ------------------------------------------ a call with no garbage collection, in C
+
+def test_call_without_collections_pauses_them_for_the_call_only():
+    seen = []
+
+    def body(a, b=0):
+        seen.append(gc.isenabled())
+        return a + b
+
+    assert gc.isenabled()
+    assert _C.call_without_collections(body, 1, b=2) == 3
+    assert seen == [False] and gc.isenabled()
+    # Nested: the inner call leaves them paused for the outer one.
+    assert _C.call_without_collections(_C.call_without_collections, gc.isenabled) is False
+    assert gc.isenabled()
+    with pytest.raises(TypeError, match="call_without_collections"):
+        _C.call_without_collections()
+
+
+def test_call_without_collections_resumes_on_every_exit_and_keeps_them_off_if_off():
+    """Python in the middle: the call raises what a signal handler raises, collects
+    explicitly (its finalizers run), switches collections on or off itself."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _C.call_without_collections(interrupted)
+    assert gc.isenabled()
+
+    collected = []
+
+    class Cyclic:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            collected.append(gc.isenabled())
+
+    def collects():
+        Cyclic()
+        gc.collect()          # explicit: still collects, with collections paused
+        return len(collected)
+
+    assert _C.call_without_collections(collects) == 1 and collected == [False]
+    # The call turns them off itself: on again after (they were on before); a call
+    # that turns them on while they were off before: left as the call left them.
+    assert _C.call_without_collections(gc.disable) is None and gc.isenabled()
+    gc.disable()
+    try:
+        assert _C.call_without_collections(gc.isenabled) is False
+        assert not gc.isenabled()
+        _C.call_without_collections(gc.enable)
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -127,6 +127,8 @@ def _child(calls: int, seed: int, nested: bool = False, symbolic: bool = False,
             found.append("a signal deferral left behind")
         if _C.current_config() is not None or _C.armed_threads():
             found.append("thread left armed")
+        if not gc.isenabled():
+            found.append("garbage collection left paused")
         for m in model.modules():
             if type(m.__dict__.get("training")) is not bool:
                 found.append(f"{type(m).__name__}.training is {type(m.__dict__.get('training'))}")

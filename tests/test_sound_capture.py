@@ -1093,3 +1093,61 @@ def test_tensor_data_property_behaves_as_torchs():
     t = torch.ones(2).as_subclass(Logged)
     assert torch.equal(t.data, torch.ones(2))
     assert Logged.seen   # the getter still dispatches to __torch_function__
+
+
+def test_a_finalizer_a_collection_runs_during_the_trace_is_not_recorded():
+    """Cyclic garbage whose finalizer bumps a counter tensor and leaves new garbage
+    behind, with a collection forced on every allocation: before the fix a collection
+    ran in the middle of the first call's trace, its `counter.add_(1)` was recorded,
+    and every later call bumped the counter again.  No collection runs during a trace
+    (Tracer.run): the finalizers run as written, outside it, and later calls (the
+    chain stopped) leave the counter alone, as eager does."""
+    import gc
+
+    counter = torch.zeros(())
+    chain = {"on": True}
+
+    class Junk:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            counter.add_(1)
+            if chain["on"]:
+                Junk()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x).relu() + 1
+            return x
+
+    eager = Net()
+    compiled = nnscaler.compile(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    threshold = gc.get_threshold()
+    collecting = gc.isenabled()
+    gc.enable()
+    Junk()
+    gc.set_threshold(1)
+    try:
+        got = compiled(x)
+    finally:
+        chain["on"] = False
+        gc.set_threshold(*threshold)
+    gc.collect()
+    if not collecting:
+        gc.disable()
+    assert counter.item() > 0          # the finalizers ran
+    assert gc.isenabled() == collecting
+    settled = counter.item()
+    for _ in range(3):
+        assert_same(compiled(x), eager(x))
+    assert counter.item() == settled
+    assert_same(got, eager(x))
+    info = nnscaler.cache_info(compiled)
+    assert info.fallbacks == 0 and info.hits == 3, info

@@ -299,7 +299,10 @@ class Tracer(TorchFunctionMode):
                     elif not self.data_dependence.on_stack():
                         modes.enter_context(self.data_dependence)
                         modes.callback(self.data_dependence.forget)
-                    result = call()
+                    # No garbage collection runs meanwhile: what one runs (gc
+                    # callbacks, finalizers of cyclic garbage) is not the forward's
+                    # (tracing/asynchronous.py).
+                    result = _C.call_without_collections(call)
             finally:
                 _pop_modes_to(mode_depth)
                 _pop_dispatch_modes_to(dispatch_depth)

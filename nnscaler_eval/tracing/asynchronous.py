@@ -1,7 +1,7 @@
 """Python that runs in the middle of a capture without the forward calling it runs as
 written: a signal handler delivered at one of the tracer's points (signals.py), and
 what a garbage collection runs (`gc.callbacks`, the finalizers and weakref callbacks
-of cyclic garbage) while the side of an `if` that eager does not take is traced.
+of cyclic garbage).
 
 Left alone, such code would run as the forward's own: its torch calls recorded into
 the graph, its functions noted for value guards, its frames given the capture's
@@ -13,14 +13,16 @@ lost, and the side refused for what was not its doing.
 as written), function recording paused, and the thread's tracer suspended (its torch
 function mode passes calls through).  A collection is not bracketed (a gc callback of
 ours would run wherever a collection starts, at the recursion limit too, where it fails
-and leaves its bracket open): no collection runs while a side runs as checked code
-(`checked_begin` / `checked_end`).  Outside the sides, a collection during a capture
-still runs its callbacks as the forward's code (their reads guarded: a recapture at
-worst).
+and leaves its bracket open): no collection runs during a capture's run at all
+(`_C.call_without_collections`, csrc/paused_collections.h: around the forward's run
+in `Tracer.run`, and around convert_frame's code recorder and capture, so a
+finalizer's names are no value guards either).  A finalizer that a collection ran in the middle of the trace had its torch
+calls recorded and replayed by every call (a counter it bumps once in eager, bumped
+at every call).  Collections resume after the trace, and its finalizers run then, as
+written; a `gc.collect()` the forward calls itself still runs, as the forward's code.
 """
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 from nnscaler_eval import _C
@@ -45,19 +47,13 @@ def resume(saved: tuple[Any, int, Any]) -> None:
     _C.capture_code_mode(mode)
 
 
-def checked_begin() -> tuple[int, bool]:
+def checked_begin() -> int:
     """A side of an `if` starts running as checked code: frames it starts get the
-    checked flavour (capture-code mode 2), and no garbage collection runs meanwhile,
-    so no gc callback or finalizer runs as checked code (its write to outside state
-    refused and lost).  The collections wait for the side's end, a short run on fakes.
-    Returns what `checked_end` needs."""
-    collecting = gc.isenabled()
-    gc.disable()
-    return _C.capture_code_mode(2), collecting
+    checked flavour (capture-code mode 2).  No collection runs meanwhile (the whole
+    run pauses them), so no gc callback or finalizer runs as checked code (its write
+    to outside state refused and lost).  Returns what `checked_end` needs."""
+    return _C.capture_code_mode(2)
 
 
-def checked_end(saved: tuple[int, bool]) -> None:
-    mode, collecting = saved
+def checked_end(mode: int) -> None:
     _C.capture_code_mode(mode)
-    if collecting:
-        gc.enable()
