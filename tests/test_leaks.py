@@ -231,3 +231,25 @@ def test_graph_replays_do_not_leak():
                     pass
 
     assert_flat(workload)
+
+
+def test_calls_without_collections_do_not_leak():
+    """`_C.call_without_collections` (csrc/paused_collections.c): results, arguments,
+    keyword names and a raised error's references are released on every exit."""
+    from nnscaler_eval import _C
+
+    def body(a, *, b):
+        return [a, b]
+
+    def fails(a):
+        raise ValueError(a)
+
+    def workload():
+        for i in range(20_000):
+            _C.call_without_collections(body, object(), b=i)
+            try:
+                _C.call_without_collections(fails, object())
+            except ValueError:
+                pass
+
+    assert_flat(workload)
