@@ -16,10 +16,11 @@ ours would run wherever a collection starts, at the recursion limit too, where i
 and leaves its bracket open): no collection runs during a capture's run at all
 (`_C.call_without_collections`, csrc/paused_collections.h: around the forward's run
 in `Tracer.run`, and around convert_frame's code recorder and capture, so a
-finalizer's names are no value guards either).  A finalizer that a collection ran in the middle of the trace had its torch
-calls recorded and replayed by every call (a counter it bumps once in eager, bumped
-at every call).  Collections resume after the trace, and its finalizers run then, as
-written; a `gc.collect()` the forward calls itself still runs, as the forward's code.
+finalizer's names are no value guards either).  A finalizer that a collection ran in
+the middle of the trace had its torch calls recorded and replayed by every call (a
+counter it bumps once in eager, bumped at every call).  Collections resume after the
+trace, and its finalizers run then, as written; a `gc.collect()` the forward calls
+itself still runs, as the forward's code.
 """
 from __future__ import annotations
 
