@@ -311,6 +311,33 @@ def test_inductors_question_waits_for_the_answers_begun(tmp_path):
     assert out["restored"]
 
 
+_FORKED_READY = r"""
+import os, time
+from nnscaler_eval.runners import inductor_start
+
+inductor_start.begin()          # the thread starts importing Inductor: a second or so
+pid = os.fork()
+if pid == 0:
+    set_at_fork = inductor_start._guarded.is_set()
+    start = time.monotonic()
+    inductor_start.ready()      # the thread is not in this process
+    os._exit(0 if time.monotonic() - start < 5 else 1 if not set_at_fork else 2)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_process_forked_while_the_start_is_begun_does_not_wait_for_it():
+    """A process forked before the start's thread made Inductor's questions wait
+    (DataLoader workers, a launcher) has no such thread: its `ready()` returns
+    instead of waiting for ever."""
+    done = subprocess.run([sys.executable, "-c", _FORKED_READY], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == "0", done.stderr[-4000:]
+
+
 def test_inductor_start_begins_only_for_inductor_on_the_cpu(monkeypatch):
     from nnscaler_eval.runners import inductor_start
 

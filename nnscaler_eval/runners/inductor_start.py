@@ -65,10 +65,14 @@ def _start_once() -> None:
 
 def ready() -> None:
     """Before a graph is handed to Inductor: wait until Inductor's questions wait for
-    the threads (a moment after `begin()`), not for the answers.  A Ctrl-C interrupts
-    the wait."""
-    if _asking is not None:
-        _guarded.wait()
+    the threads (a moment after `begin()`), not for the answers; not for a thread that
+    is gone (a process forked meanwhile has none).  A Ctrl-C interrupts the wait."""
+    asking = _asking
+    if asking is None:
+        return
+    while not _guarded.wait(0.1):
+        if not asking.is_alive():
+            return
 
 
 def finish() -> None:
@@ -92,12 +96,18 @@ def _on_cpu(module: Any, values: Iterable[Any]) -> bool:
 
 def _ask_every_candidate() -> None:
     try:
+        _ask_guarded()
+    finally:
+        _guarded.set()   # also when something failed: nothing left to wait for
+
+
+def _ask_guarded() -> None:
+    try:
         from torch._inductor import cpu_vec_isa
 
         candidates = _candidates(cpu_vec_isa)
         asked = cpu_vec_isa.valid_vec_isa_list
     except Exception:  # a torch without Inductor's CPU backend: nothing to begin
-        _guarded.set()
         return
     askers: list[threading.Thread] = []
     for i, isa in enumerate(candidates):
