@@ -216,7 +216,7 @@ begun = sys.argv[1] == "begin"
 asked_again = []
 if begun:
     inductor_start.begin()
-    inductor_start.finish()
+    inductor_start._asking.join()   # every answer made, Inductor's function back
     # Every answer is now Inductor's memo: asking again builds and loads nothing.
     cpu_vec_isa.VecISA.check_build = lambda self, code: asked_again.append(str(self))
 valid = cpu_vec_isa.valid_vec_isa_list()
@@ -278,7 +278,7 @@ inductor_start.ready()
 waiting = cpu_vec_isa.valid_vec_isa_list is not asked
 valid = cpu_vec_isa.valid_vec_isa_list()      # Inductor's question, from this thread
 answered = time.monotonic()
-inductor_start.finish()
+inductor_start._asking.join()   # every answer made, Inductor's function back
 built = len(builds)
 cpu_vec_isa.valid_vec_isa_list()
 print(json.dumps({

@@ -1478,3 +1478,25 @@ def test_call_without_collections_resumes_on_every_exit_and_keeps_them_off_if_of
         assert gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_call_without_collections_with_a_finalizer_and_a_dropped_callable_in_the_middle():
+    """Python in the middle that frees and mutates what the C path relies on: the
+    callable drops every other reference to itself and to its argument, and a
+    finalizer run inside turns collections back on (the path resumes them after
+    whatever the call did)."""
+    held = {}
+
+    class TurnsThemOn:
+        def __del__(self):
+            gc.enable()
+
+    class DropsItself:
+        def __call__(self, arg, *, key):
+            held.clear()                      # the call's own references remain
+            TurnsThemOn()                     # freed at once: its __del__ runs here
+            return gc.isenabled(), type(arg).__name__, key
+
+    held["fn"], held["arg"] = DropsItself(), [1, 2]
+    assert _C.call_without_collections(held["fn"], held["arg"], key=3) == (True, "list", 3)
+    assert held == {} and gc.isenabled()

@@ -67,7 +67,6 @@ from nnscaler_eval.capture.results import Fallback, RecordingAborted
 from nnscaler_eval.tracing.locations import is_library_file
 from nnscaler_eval.tracing.trace_state import current_tracer
 from nnscaler_eval.tracing.tracked_values import _TrackedNumber
-from nnscaler_eval.tracing import asynchronous
 
 
 @dataclass
@@ -530,14 +529,15 @@ class BranchState:
         which = "true" if side else "false"
 
         def run() -> Any:
-            side_mode = asynchronous.checked_begin()
+            # Frames the side starts run as checked code (capture/checked.py).
+            side_mode = _C.capture_code_mode(2)
             try:
                 result = function(*values)
             except checked.BranchRefused as exc:
                 raise torch_cond.CondNotCapturable(Fallback(
                     f"the {which} side {exc.reason}", *exc.location)) from None
             finally:
-                asynchronous.checked_end(side_mode)
+                _C.capture_code_mode(side_mode)
             if record.refusal is not None:   # swallowed by the side's own `except:`
                 raise torch_cond.CondNotCapturable(Fallback(
                     f"the {which} side {record.refusal.reason}", *record.refusal.location))
@@ -651,14 +651,15 @@ class BranchState:
         open_before, suspended_before = self.open, tracer._suspended
 
         def run(pred: Any, *carried: Any) -> Any:
-            side_mode = asynchronous.checked_begin()
+            # Frames the side starts run as checked code (capture/checked.py).
+            side_mode = _C.capture_code_mode(2)
             try:
                 test, env = function(*carried, *inputs)
             except checked.BranchRefused as exc:
                 raise torch_cond.CondNotCapturable(Fallback(
                     f"the loop body {exc.reason}", *exc.location)) from None
             finally:
-                asynchronous.checked_end(side_mode)
+                _C.capture_code_mode(side_mode)
             if record.refusal is not None:
                 raise torch_cond.CondNotCapturable(Fallback(
                     f"the loop body {record.refusal.reason}", *record.refusal.location))

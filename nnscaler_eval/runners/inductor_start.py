@@ -75,13 +75,6 @@ def ready() -> None:
             return
 
 
-def finish() -> None:
-    """Wait for every answer begun.  A Ctrl-C interrupts the wait (the threads go on)."""
-    asking = _asking
-    if asking is not None and asking.is_alive():
-        asking.join()
-
-
 def _on_cpu(module: Any, values: Iterable[Any]) -> bool:
     for value in values:
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":

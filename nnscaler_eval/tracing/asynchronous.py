@@ -46,15 +46,3 @@ def resume(saved: tuple[Any, int, Any]) -> None:
         tracer._suspended -= 1
     _C.record_functions_resume(paused)
     _C.capture_code_mode(mode)
-
-
-def checked_begin() -> int:
-    """A side of an `if` starts running as checked code: frames it starts get the
-    checked flavour (capture-code mode 2).  No collection runs meanwhile (the whole
-    run pauses them), so no gc callback or finalizer runs as checked code (its write
-    to outside state refused and lost).  Returns what `checked_end` needs."""
-    return _C.capture_code_mode(2)
-
-
-def checked_end(mode: int) -> None:
-    _C.capture_code_mode(mode)
