@@ -394,3 +394,106 @@ def test_block_keys_come_from_the_captures_run_without_a_second_fake_run(
     assert len(_invokes(handed_over[-1])) == 3
     assert len(runs) == (1 if recorded else 2)
     assert runs[-1] is handed_over[-1]
+
+
+# -- torch's training check of a shared block, asked once (runners/subgraph_schemas.py) --
+
+
+@pytest.fixture
+def schemas_asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The identifier of every question torch's own invoke_subgraph.gen_schema answers."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    asked: list[str] = []
+    real = InvokeSubgraphHOP.gen_schema
+
+    def counting(self, subgraph, identifier, *operands):
+        asked.append(identifier)
+        return real(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counting)
+    return asked
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_the_training_check_of_a_shared_block_is_asked_once(schemas_asked, n: int) -> None:
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    torch.manual_seed(0)
+    results, compiled = _run_both(Stack([Block() for _ in range(n)]), torch.randn(3, 16),
+                                  train=True)
+    _assert_same(results)
+    # Autograd asks at every call, twice per call in the joint trace (2n + 1 questions
+    # before); now once per kind of operand (fake, then functional tensors).
+    asked = [i for i in schemas_asked if i.startswith("nnscaler_block_")]
+    assert 1 <= len(asked) <= 2 and len(set(asked)) == 1, asked
+    assert "gen_schema" not in vars(invoke_subgraph)   # torch's own again
+    assert len(_explain(compiled, torch.randn(3, 16), True).shared_blocks) == 1
+
+
+def _writing_sub() -> torch.fx.GraphModule:
+    class Writes(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+            a.add_(1)
+            return (a * b,)
+
+    return torch.fx.symbolic_trace(Writes())
+
+
+def _calling(sub: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    root = nn.Module()
+    root.sub = sub
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    out = graph.call_function(INVOKE, (graph.get_attr("sub"), "writes", a, b))
+    graph.output(out)
+    return torch.fx.GraphModule(root, graph)
+
+
+def test_a_remembered_answer_still_refuses_a_subgraph_that_writes(schemas_asked) -> None:
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from nnscaler_eval.runners import subgraph_schemas
+
+    sub = _writing_sub()
+    b = torch.randn(3, requires_grad=True)
+    with subgraph_schemas.asked_once(_calling(sub)):
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="in-place input or buffer mutations"):
+                invoke_subgraph(sub, "writes", torch.randn(3), b)
+        # Another question (other sizes) is torch's to answer; so is any subgraph the
+        # compiled graph does not call.
+        with pytest.raises(RuntimeError, match="in-place input or buffer mutations"):
+            invoke_subgraph(sub, "writes", torch.randn(4), torch.randn(4, requires_grad=True))
+        other = _writing_sub()
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="in-place input or buffer mutations"):
+                invoke_subgraph(other, "writes", torch.randn(3), b)
+    assert schemas_asked == ["writes"] * 4
+    assert "gen_schema" not in vars(invoke_subgraph)
+    # Outside any compile of ours, torch is asked every time.
+    with pytest.raises(RuntimeError, match="in-place input or buffer mutations"):
+        invoke_subgraph(sub, "writes", torch.randn(3), b)
+    assert len(schemas_asked) == 5
+
+
+def test_nested_compiles_keep_answers_until_the_last_ends(schemas_asked) -> None:
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from nnscaler_eval.runners import subgraph_schemas
+
+    sub = _writing_sub()
+    gm = _calling(sub)
+    b = torch.randn(3, requires_grad=True)
+
+    def ask() -> None:
+        with pytest.raises(RuntimeError, match="in-place"):
+            invoke_subgraph(sub, "writes", torch.randn(3), b)
+
+    with subgraph_schemas.asked_once(gm):
+        with subgraph_schemas.asked_once(gm):
+            ask()
+        ask()   # the outer compile still holds the answer
+        assert "gen_schema" in vars(invoke_subgraph)
+    assert schemas_asked == ["writes"]
+    assert "gen_schema" not in vars(invoke_subgraph) and not subgraph_schemas._answers

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import backend_form, inductor_start, size_buckets
+from nnscaler_eval.runners import backend_form, inductor_start, size_buckets, subgraph_schemas
 
 
 def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
@@ -56,7 +56,9 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     The graph is handed over as Dynamo hands its graphs (runners/backend_form.py): in
     a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
     `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
-    need before they keep anything across processes.  Inductor's per-process start,
+    need before they keep anything across processes.  torch's training check of a
+    shared block is asked once per block (runners/subgraph_schemas.py).  Inductor's
+    per-process start,
     begun earlier by runners/inductor_start.py, goes on beside it: Inductor's own
     questions wait for it."""
     # Here, not at the top: torch does not import it, and it costs about 15 ms that
@@ -65,7 +67,8 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
 
     inductor_start.ready()
     with functorch_config.patch(force_non_lazy_backward_lowering=True), \
-            backend_form.as_dynamo_hands_it(gm, example_inputs):
+            backend_form.as_dynamo_hands_it(gm, example_inputs), \
+            subgraph_schemas.asked_once(gm):
         return backend_fn(gm, example_inputs)
 
 

@@ -1,0 +1,145 @@
+"""torch's training check of a shared block, asked once per block and compile.
+
+When autograd meets `invoke_subgraph` (AOTAutograd tracing a training graph in which
+block_reuse.py made repeated blocks one subgraph), torch asks for the op's schema at
+every call, to refuse a subgraph that writes into an operand.  `gen_schema` answers by
+tracing the whole subgraph again: about 0.09 s per call of the 12-block GPT's block,
+and the joint trace meets each call twice (2.2 of the 22 s of a cold first training
+step with 12 blocks; four times that with 48).  Its answer depends only on the
+subgraph's code and on what the operands are (their types; a tensor's shape, strides,
+dtype, device and `requires_grad`; an int's value), which the calls of one shared
+block have in common.
+
+`asked_once(gm)`, around a compile of `gm`, keeps torch's answer for each subgraph
+that `gm` calls through `invoke_subgraph` and gives it again for an equal question:
+the subgraph object, its code as FX prints it, and the operands' descriptions.  Any
+other question (another graph's subgraph, a symbolic size, an operand we do not
+describe) goes to torch as it is.  The answers are torch's own, nothing is decided
+here; they are dropped when the compile ends, and torch's `gen_schema` is the
+op's again when no compile of ours is in progress.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Optional
+
+import torch
+
+from nnscaler_eval import _C
+
+_lock = threading.Lock()
+# id(subgraph) -> (subgraph, compiles in progress that call it): ids stay unique while held
+_subgraphs: dict[int, tuple[Any, int]] = {}
+_answers: dict[tuple, Any] = {}
+_compiles = 0
+
+
+@contextlib.contextmanager
+def asked_once(gm: Any) -> Iterator[None]:
+    subgraphs = _subgraphs_called(gm)
+    if not subgraphs:
+        yield
+        return
+    _enter(subgraphs)
+    try:
+        yield
+    finally:
+        _leave(subgraphs)
+
+
+def _subgraphs_called(gm: Any) -> list[Any]:
+    """The GraphModules `gm`'s graph calls through invoke_subgraph."""
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return []
+    hop = torch.ops.higher_order.invoke_subgraph
+    found: dict[int, Any] = {}
+    for node in graph.find_nodes(op="call_function", target=hop):
+        holder = node.args[0] if node.args else None
+        if isinstance(holder, torch.fx.Node) and holder.op == "get_attr":
+            try:
+                sub = gm.get_submodule(holder.target)
+            except AttributeError:
+                continue
+            if isinstance(sub, torch.fx.GraphModule):
+                found[id(sub)] = sub
+    return list(found.values())
+
+
+def _enter(subgraphs: list[Any]) -> None:
+    _C.call_holding(_lock, _entered, subgraphs)
+
+
+def _leave(subgraphs: list[Any]) -> None:
+    _C.call_holding(_lock, _left, subgraphs)
+
+
+def _entered(subgraphs: list[Any]) -> None:
+    global _compiles
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    for sub in subgraphs:
+        held = _subgraphs.get(id(sub))
+        _subgraphs[id(sub)] = (sub, 1 if held is None else held[1] + 1)
+    _compiles += 1
+    if _compiles == 1:
+        # An attribute of the op object is found before its class's method: the op's
+        # own `self.gen_schema(...)` calls come here; its class is untouched.
+        invoke_subgraph.gen_schema = _gen_schema
+
+
+def _left(subgraphs: list[Any]) -> None:
+    global _compiles
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    for sub in subgraphs:
+        held, n = _subgraphs[id(sub)]
+        if n == 1:
+            del _subgraphs[id(sub)]
+            for key in [k for k in _answers if k[0] == id(sub)]:
+                del _answers[key]
+        else:
+            _subgraphs[id(sub)] = (held, n - 1)
+    _compiles -= 1
+    if _compiles == 0:
+        vars(invoke_subgraph).pop("gen_schema", None)
+
+
+def _keep(key: tuple, subgraph: Any, answer: Any) -> None:
+    if id(subgraph) in _subgraphs:   # still a compile's: its answers are kept
+        _answers[key] = answer
+
+
+def _gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
+
+    key = _question(subgraph, identifier, operands)
+    if key is not None:
+        answer = _answers.get(key)
+        if answer is not None:
+            return answer
+    answer = InvokeSubgraphHOP.gen_schema(invoke_subgraph, subgraph, identifier, *operands)
+    if key is not None:
+        _C.call_holding(_lock, _keep, key, subgraph, answer)
+    return answer
+
+
+def _question(subgraph: Any, identifier: Any, operands: tuple) -> Optional[tuple]:
+    """What torch's answer depends on, hashable; None when it cannot be said."""
+    held = _subgraphs.get(id(subgraph))
+    if held is None or held[0] is not subgraph or not isinstance(identifier, str):
+        return None
+    described = []
+    for operand in operands:
+        if isinstance(operand, torch.Tensor):
+            shape, stride = tuple(operand.shape), operand.stride()
+            if not all(type(n) is int for n in (*shape, *stride)):
+                return None   # symbolic sizes: their own question each time
+            described.append((type(operand), shape, stride, operand.dtype, operand.device,
+                              operand.requires_grad))
+        elif type(operand) in (int, bool) or operand is None:
+            described.append((type(operand), operand))
+        else:
+            return None
+    return (id(subgraph), subgraph.code, identifier, tuple(described))
