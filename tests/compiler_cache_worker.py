@@ -17,9 +17,11 @@ Inductor only with both, for torch.compile as for us.
 
 Cases: `static` (train() with a BatchNorm and a `self.training` conditional: forward
 and backward, then eval() under no_grad: two graphs, one per mode), `symbolic`
-(dynamic=True, train() forward and backward at two batch sizes, one graph).
+(dynamic=True, train() forward and backward at two batch sizes, one graph), `blocks`
+(three equal blocks, shared as one subgraph by block reuse: train() forward and
+backward, then eval(): two graphs).
 The last line of stdout is JSON: {"BACKEND:CASE": {"counters": {...}, "equal":
-bool, "captures": int}}.
+bool, "captures": int, "shared": [modules sharing a subgraph, per shared block]}}.
 """
 from __future__ import annotations
 
@@ -49,6 +51,28 @@ class Net(nn.Module):
         with torch.no_grad():
             shift = x.mean()
         return y + shift
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def _counters() -> dict[str, int]:
@@ -91,13 +115,13 @@ def run_case(backend: str, case: str, seed: int) -> dict:
     import nnscaler
 
     torch.manual_seed(seed)
-    model = Net()
+    model = Blocks() if case == "blocks" else Net()
     eager = copy.deepcopy(model)
     compiled = nnscaler.compile(model, backend=backend,
                                 dynamic=True if case == "symbolic" else None)
     _clear()
     equal = True
-    if case == "static":
+    if case in ("static", "blocks"):
         equal &= _step(eager.train(), model.train(), compiled, torch.randn(4, 8))
         equal &= _step(eager.eval(), model.eval(), compiled, torch.randn(4, 8))
         equal &= _step(eager.train(), model.train(), compiled, torch.randn(4, 8))
@@ -106,8 +130,14 @@ def run_case(backend: str, case: str, seed: int) -> dict:
             equal &= _step(eager, model, compiled, torch.randn(batch, 8))
     else:
         raise SystemExit(f"unknown case {case!r}")
-    return {"counters": _counters(), "equal": bool(equal),
-            "captures": nnscaler.cache_info(compiled).captures}
+    counters = _counters()
+    shared = []
+    if case == "blocks":
+        model.train()
+        report = nnscaler.explain(compiled, torch.randn(4, 8).requires_grad_())
+        shared = [block.paths for block in report.shared_blocks]
+    return {"counters": counters, "equal": bool(equal),
+            "captures": nnscaler.cache_info(compiled).captures, "shared": shared}
 
 
 def main() -> None:

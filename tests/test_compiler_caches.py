@@ -54,14 +54,15 @@ def _assert_warm(case: dict, graphs: int, compiled_graphs: int) -> None:
     assert counters.get("fxgraph_cache_miss", 0) == 0, counters
 
 
-CASES = ("inductor:static", "inductor:symbolic", "aot_eager+cache:static",
-         "aot_eager+cache:symbolic")
+CASES = ("inductor:static", "inductor:symbolic", "inductor:blocks",
+         "aot_eager+cache:static", "aot_eager+cache:symbolic", "aot_eager+cache:blocks")
 
 
 def test_compiler_caches_hit_in_a_second_process(tmp_path):
     """Inductor, static: a train() graph (forward and backward: two Inductor graphs)
     and an eval() graph; symbolic (dynamic=True): one graph for two batch sizes,
-    forward and backward.  Every output, gradient and BatchNorm buffer equals eager's
+    forward and backward; blocks: the same two graphs of three equal blocks, which
+    block reuse makes calls of one shared subgraph (invoke_subgraph).  Every output, gradient and BatchNorm buffer equals eager's
     in both processes, the warm one included, whose graphs all come from the caches
     although its weights, constant tensor and inputs are others (the caches key code
     and metadata; values are inputs of the compiled code).
@@ -73,17 +74,25 @@ def test_compiler_caches_hit_in_a_second_process(tmp_path):
     for run in (cold, warm):
         for case in CASES:
             assert run[case]["equal"], (case, run[case])
+            # blocks: nothing reads the training flag, one capture (compiled per grad mode)
             assert run[case]["captures"] == (2 if case.endswith("static") else 1), run[case]
+            if case.endswith("blocks"):
+                assert run[case]["shared"] == [["blocks.0", "blocks.1", "blocks.2"]], run[case]
     _assert_cold(cold["inductor:static"], graphs=2, compiled_graphs=3)
     _assert_cold(cold["inductor:symbolic"], graphs=1, compiled_graphs=2)
     _assert_warm(warm["inductor:static"], graphs=2, compiled_graphs=3)
     _assert_warm(warm["inductor:symbolic"], graphs=1, compiled_graphs=2)
+    _assert_cold(cold["inductor:blocks"], graphs=2, compiled_graphs=3)
+    _assert_warm(warm["inductor:blocks"], graphs=2, compiled_graphs=3)
     assert cold["aot_eager+cache:static"]["counters"] == {"autograd_cache_miss": 2,
                                                          "autograd_cache_saved": 2}
     assert cold["aot_eager+cache:symbolic"]["counters"] == {"autograd_cache_miss": 1,
                                                            "autograd_cache_saved": 1}
     assert warm["aot_eager+cache:static"]["counters"] == {"autograd_cache_hit": 2}
     assert warm["aot_eager+cache:symbolic"]["counters"] == {"autograd_cache_hit": 1}
+    assert cold["aot_eager+cache:blocks"]["counters"] == {"autograd_cache_miss": 2,
+                                                         "autograd_cache_saved": 2}
+    assert warm["aot_eager+cache:blocks"]["counters"] == {"autograd_cache_hit": 2}
 
 
 # -- the graph a backend receives -------------------------------------------------------
