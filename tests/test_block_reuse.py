@@ -77,23 +77,34 @@ def _invokes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is INVOKE]
 
 
-def _run_both(model: nn.Module, x: torch.Tensor, *, train: bool, **options):
-    """Outputs, gradients and buffers of eager and of the compiled copy, and the report."""
-    if train:   # every block's input then needs a gradient, the first one's too
-        x = x.detach().requires_grad_()
+def _run_both(model: nn.Module, x: torch.Tensor, *, train: bool, calls: int = 3,
+              backend: str = "aot_eager", **options):
+    """Outputs, gradients and buffers of eager and of the compiled copy over `calls`
+    calls (the first is the capture's own run, for real; the later ones run what the
+    backend compiled), and the compiled copy."""
     eager = copy.deepcopy(model).train(train)
     compiled = copy.deepcopy(model).train(train)
-    nnscaler.compile(compiled, backend="aot_eager", **options)
+    nnscaler.compile(compiled, backend=backend, **options)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [x] + [torch.randn(x.shape, generator=gen, dtype=x.dtype)
+                    for _ in range(calls - 1)]
     results = []
     for m in (eager, compiled):
-        if train:
-            out = m(x)
-            out.sum().backward()
-        else:
-            with torch.no_grad():
-                out = m(x)
-        results.append((out.detach(), [p.grad for p in m.parameters()],
-                        [b.clone() for b in m.buffers()]))
+        outs, grads, bufs = [], [], []
+        for value in inputs:
+            if train:   # every block's input then needs a gradient, the first one's too
+                value = value.detach().requires_grad_()
+                out = m(value)
+                out.sum().backward()
+                grads += [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+                grads.append(value.grad)
+                m.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    out = m(value)
+            outs.append(out.detach())
+            bufs += [b.clone() for b in m.buffers()]
+        results.append((outs, grads, bufs))
     return results, compiled
 
 
@@ -497,3 +508,108 @@ def test_nested_compiles_keep_answers_until_the_last_ends(schemas_asked) -> None
         assert "gen_schema" in vars(invoke_subgraph)
     assert schemas_asked == ["writes"]
     assert "gen_schema" not in vars(invoke_subgraph) and not subgraph_schemas._answers
+
+
+# -- what makes two calls differ besides their nodes and inputs ------------------------
+
+
+class Scaled(Block):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return torch.atan2(y * self.scale, -torch.ones_like(y))
+
+
+def test_a_constant_of_another_sign_gets_its_own() -> None:
+    """0.0 == -0.0, but atan2(0.0, -1) is pi and atan2(-0.0, -1) is -pi: constants are
+    compared by their bits."""
+    torch.manual_seed(0)
+    model = Stack([Scaled(0.0), Scaled(-0.0), Scaled(0.0), Scaled(-0.0)])
+    assert _groups(model, torch.randn(3, 16)) == [["blocks.0", "blocks.2"],
+                                                  ["blocks.1", "blocks.3"]]
+
+
+class SomeUnderAutocast(nn.Module):
+    """Blocks 1 and 3 run under autocast to bfloat16, block 2 with it switched off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.blocks[1](x)
+            with torch.autocast("cpu", enabled=False):
+                x = self.blocks[2](x.float())
+            x = self.blocks[3](x)
+        return self.blocks[4](x.float()).sum(-1)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_blocks_under_another_autocast_state_get_their_own(train: bool) -> None:
+    torch.manual_seed(0)
+    groups = _groups(SomeUnderAutocast(), torch.randn(3, 16), train=train)
+    assert ["blocks.1", "blocks.3"] in groups
+    assert not any({"blocks.0", "blocks.1"} <= set(g) or {"blocks.2", "blocks.3"} <= set(g)
+                   for g in groups)
+
+
+def test_an_input_changed_in_place_after_it_was_recorded_is_not_shared() -> None:
+    """`v = base[:2]` does not require grad when taken; `base.mul_(w)` makes it (and
+    base) require grad.  The block fed `v` must not share a subgraph traced for an
+    input that needs no gradient, or no gradient reaches `pre.weight`."""
+    torch.manual_seed(0)
+
+    class Viewed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre = nn.Linear(16, 16)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            base = x * 1.0
+            v = base[:2]
+            other = (x * 2.0)[:2]
+            base.mul_(self.pre.weight.sum())
+            return (self.blocks[0](v) + self.blocks[1](other)).sum(-1)
+
+    model = Viewed()
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    nnscaler.compile(compiled, backend="aot_eager")
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        assert compiled.pre.weight.grad is not None
+        torch.testing.assert_close(compiled.pre.weight.grad, eager.pre.weight.grad)
+
+
+def test_inductor_training_with_layers_between_shared_blocks() -> None:
+    """A Linear between equal blocks: Inductor's buffer reuse in the calling graph
+    overwrote a block's input that the partitioned forward saves for the backward
+    (block_reuse.compile_settings turns it off for graphs with a shared block):
+    gradients from the second call on must be eager's."""
+    torch.manual_seed(0)
+
+    class Between(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.mids = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](x)
+            for mid, block in zip(self.mids, self.blocks[1:]):
+                x = block(mid(x))
+            return x.pow(2).sum(-1)
+
+    results, compiled = _run_both(Between(), torch.randn(4, 16), train=True,
+                                  backend="inductor")
+    _assert_same(results)
+    assert [b.paths for b in _explain(compiled, torch.randn(4, 16), True).shared_blocks] == [
+        ["blocks.0", "blocks.1", "blocks.2"]]

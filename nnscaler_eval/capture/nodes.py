@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from nnscaler_eval.runners.block_reuse import VALUE_META, value_meta
+from nnscaler_eval.runners.block_reuse import META_CHANGED, VALUE_META, value_meta
 
 from nnscaler_eval.capture.calls import tensors_in
 
@@ -94,6 +94,11 @@ class NodeMap:
         of the root's tree; None for any other tensor."""
         node = self.tensor_nodes.get(id(tensor))
         if node is not None:
+            recorded = node.meta.get(VALUE_META)
+            if recorded is not None and value_meta(tensor) != recorded:
+                # changed in place since (or an alias was): VALUE_META is not
+                # what this use sees (runners/block_reuse.py)
+                node.meta[META_CHANGED] = True
             return node
         path = self.param_paths.get(id(tensor))
         if path is None:

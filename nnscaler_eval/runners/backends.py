@@ -16,7 +16,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from nnscaler_eval import _C
-from nnscaler_eval.runners import backend_form, inductor_start, size_buckets, subgraph_schemas
+from nnscaler_eval.runners import (
+    backend_form,
+    block_reuse,
+    inductor_start,
+    size_buckets,
+    subgraph_schemas,
+)
 
 
 def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
@@ -47,20 +53,24 @@ def resolve_backend(backend: Any) -> tuple[Optional[Callable[..., Any]], str]:
 
 def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[Any]) -> Any:
     """`backend_fn(gm, example_inputs)`, with AOTAutograd told to compile the backward
-    now: by default it compiles it at the first `backward()`, a second stall in the
-    middle of the first training step that nobody asked for (torch.compile()'s
-    Inductor path compiles both up front).  A backend that does not use AOTAutograd
+    now: by default it compiles it at the first `backward()` of the compiled code,
+    which for us is the second step (the first runs the capture), a stall in the
+    middle of it that nobody asked for.  A backend that does not use AOTAutograd
     ignores the setting; one whose backward fails to compile fails here, where the
     caller falls back to the eager runner, and not in the middle of a backward.
+    (A backward compiled before it runs donates saved tensors' memory, so a
+    `backward(retain_graph=True)` of the compiled code raises torch's error, which
+    names the setting that avoids it; a lazy one picks by its first backward.)
 
     The graph is handed over as Dynamo hands its graphs (runners/backend_form.py): in
     a `TracingContext` whose fake mode has a `ShapeEnv`, its nodes carrying
     `meta["example_value"]`, which Inductor's FX graph cache and AOTAutograd's cache
     need before they keep anything across processes.  torch's training check of a
-    shared block is asked once per block (runners/subgraph_schemas.py).  Inductor's
-    per-process start,
-    begun earlier by runners/inductor_start.py, goes on beside it: Inductor's own
-    questions wait for it."""
+    shared block is asked once per block (runners/subgraph_schemas.py), and Inductor
+    reuses no buffer of a graph that calls one (`block_reuse.compile_settings`: its
+    reuse overwrites a block's input the backward still needs).  Inductor's
+    per-process start, begun earlier by runners/inductor_start.py, goes on beside it:
+    Inductor's own questions wait for it."""
     # Here, not at the top: torch does not import it, and it costs about 15 ms that
     # only a compiling backend needs.
     from torch._functorch import config as functorch_config
@@ -68,7 +78,7 @@ def compile_graph(backend_fn: Callable[..., Any], gm: Any, example_inputs: list[
     inductor_start.ready()
     with functorch_config.patch(force_non_lazy_backward_lowering=True), \
             backend_form.as_dynamo_hands_it(gm, example_inputs), \
-            subgraph_schemas.asked_once(gm):
+            subgraph_schemas.asked_once(gm), block_reuse.compile_settings(gm):
         return backend_fn(gm, example_inputs)
 
 

@@ -33,6 +33,7 @@ repeated layers inside it are not looked at again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -46,6 +47,10 @@ from nnscaler_eval.runners import backend_form
 # node.meta key: the metadata of the node's value in the traced run (value_meta), set by
 # capture/nodes.py: what the keys compare, without running the graph again on fakes.
 VALUE_META = "nnscaler_value_meta"
+# node.meta key, set by capture/nodes.py: the value's metadata changed after it was
+# recorded (an in-place op on the tensor or on an alias of it: `base.mul_(w)` makes
+# a view of `base` require grad), so VALUE_META does not say what a later use saw.
+META_CHANGED = "nnscaler_value_meta_changed"
 
 
 def value_meta(tensor: torch.Tensor) -> Optional[tuple]:
@@ -63,6 +68,28 @@ REUSING_BACKENDS = frozenset({"inductor", "aot_eager", "aot_eager_decomp_partiti
 MIN_OPS = 4
 CALLS_META = "nnscaler_calls"
 _identifiers = itertools.count()
+
+
+# Inductor's settings for a graph that calls a shared block.  Its buffer reuse and
+# in-place buffers (torch 2.13) treat a buffer of the calling graph as dead after
+# its last use as an operand, though the subgraph's outputs may alias it: the
+# partitioned forward of a training graph returns its inputs as activations saved
+# for the backward.  The next buffer of that size then overwrites a saved input (a
+# block's input made by a Linear between blocks), and the backward gets wrong
+# gradients; regional torch.compile (`nested_compile_region`) gets the same numbers.
+INDUCTOR_SETTINGS = {"allow_buffer_reuse": False, "inplace_buffers": False}
+
+
+def compile_settings(gm: Any) -> contextlib.AbstractContextManager:
+    """Inductor's INDUCTOR_SETTINGS while `gm` is compiled, when it calls a shared
+    block; nothing otherwise."""
+    graph = getattr(gm, "graph", None)
+    if graph is None or not graph.find_nodes(
+            op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(INDUCTOR_SETTINGS)
 
 
 @dataclass
@@ -111,8 +138,9 @@ def share_repeated_blocks(gm: fx.GraphModule, example_inputs: list[Any],
         metas = {n: backend_form.tensor_metadata(n.meta["example_value"]) for n in gm.graph.nodes
                  if isinstance(n.meta.get("example_value"), torch.Tensor)}
     try:
+        states = _global_states(gm, calls.values())
         for call in calls.values():
-            call.key = _key(call, inline_calls, metas)
+            call.key = _key(call, inline_calls, metas, states.get(call.index))
         chosen = _choose(calls)
         groups: dict[Any, list[_Call]] = {}
         for call in chosen:
@@ -187,11 +215,14 @@ def _recorded_metas(gm: fx.GraphModule, example_inputs: list[Any],
     return metas
 
 
-def _key(call: _Call, inline_calls: list, metas: dict) -> Any:
+def _key(call: _Call, inline_calls: list, metas: dict, state: Any) -> Any:
     """What two calls must have equal to share a subgraph, or None if this call
-    cannot be one."""
+    cannot be one.  `state`: the grad mode and autocast regions the graph has
+    around the call (`_global_states`)."""
     if len(call.members) < MIN_OPS or not call.outputs or not _contiguous(call):
         return None
+    if any(n.meta.get(META_CHANGED) for n in call.inputs):
+        return None   # what the call saw of an input is not what was recorded
     path, cls, code = inline_calls[call.index]
     if path is None or code is None:
         return None
@@ -213,7 +244,37 @@ def _key(call: _Call, inline_calls: list, metas: dict) -> Any:
     if any(d is None for d in described):
         return None
     outputs = tuple(position[n] for n in call.outputs)
-    return (cls, code, tuple(nodes), described, outputs)
+    return (cls, code, state, tuple(nodes), described, outputs)
+
+
+def _global_states(gm: fx.GraphModule, calls: Any) -> dict[int, Any]:
+    """Per call, the grad mode and the autocast regions open around it, as the
+    graph's own nodes set them (capture/global_state.py): the last
+    `_set_grad_enabled(mode)` before it and the arguments of each `_enter_autocast`
+    not yet exited.  The subgraph is traced once, in the state of one call: calls
+    in other states (some blocks under autocast) must not share it."""
+    firsts: dict[fx.Node, list[int]] = {}   # a call's first node may be its layers' too
+    for call in calls:
+        if call.members:
+            firsts.setdefault(call.members[0], []).append(call.index)
+    states: dict[int, Any] = {}
+    grad: Any = None   # as the graph was entered
+    regions: dict[fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        for index in firsts.get(node, ()):
+            states[index] = (grad, tuple(regions.values()))
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad = node.args
+        elif node.target is torch.amp.autocast_mode._enter_autocast:
+            try:
+                regions[node] = _canonical(node.args, {})
+            except (KeyError, _NotComparable):   # an argument the graph computes
+                regions[node] = ("computed", node)
+        elif node.target is torch.amp.autocast_mode._exit_autocast and node.args:
+            regions.pop(node.args[0], None)
+    return states
 
 
 class _NotComparable(Exception):
@@ -226,9 +287,12 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.la
 
 def _canonical(value: Any, position: dict[fx.Node, Any]) -> Any:
     """An argument with nodes replaced by their place in the call, constants with
-    their type (1, 1.0 and True are not the same argument)."""
+    their type (1, 1.0 and True are not the same argument), floats by their bits
+    (0.0 and -0.0 are not the same argument either)."""
     if isinstance(value, fx.Node):
         return position[value]
+    if type(value) is float:   # by its bits: 0.0 == -0.0, and nan != nan
+        return (float, value.hex())
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if isinstance(value, (tuple, list)):
