@@ -613,3 +613,28 @@ def test_inductor_training_with_layers_between_shared_blocks() -> None:
     _assert_same(results)
     assert [b.paths for b in _explain(compiled, torch.randn(4, 16), True).shared_blocks] == [
         ["blocks.0", "blocks.1", "blocks.2"]]
+
+
+def test_an_interrupted_compile_leaves_torchs_op_as_it_was(schemas_asked) -> None:
+    """Ctrl-C in the middle of a compile: torch's gen_schema is the op's again, nothing
+    is held, and the next compile keeps answers again."""
+    from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+    from nnscaler_eval.runners import subgraph_schemas
+
+    sub = _writing_sub()
+    gm = _calling(sub)
+    b = torch.randn(3, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        with subgraph_schemas.asked_once(gm):
+            with pytest.raises(RuntimeError, match="in-place"):
+                invoke_subgraph(sub, "writes", torch.randn(3), b)
+            raise KeyboardInterrupt
+    assert "gen_schema" not in vars(invoke_subgraph)
+    assert not subgraph_schemas._subgraphs and not subgraph_schemas._answers
+    assert subgraph_schemas._compiles == 0
+    with subgraph_schemas.asked_once(gm):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="in-place"):
+                invoke_subgraph(sub, "writes", torch.randn(3), b)
+    assert schemas_asked == ["writes", "writes"]
