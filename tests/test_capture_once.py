@@ -3,6 +3,7 @@ every call, or not at all (issue 18).  Eager is the oracle; capture counts are a
 """
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -215,6 +216,43 @@ def test_module_with_tensors_built_in_forward_stays_eager_equal():
     torch.manual_seed(3)
     got = [model(x) for _ in range(3)]
     assert_same(got, expected)
+
+
+class BuildsLoss(nn.Module):
+    """Hugging Face's classification heads: `CrossEntropyLoss()` built per call; its
+    `weight` buffer slot is registered as None (it holds no tensor)."""
+
+    def __init__(self, weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.weight = weight
+
+    def forward(self, x, labels):
+        return nn.CrossEntropyLoss(weight=self.weight)(self.proj(x), labels)
+
+
+def test_loss_module_built_per_call_hits():
+    model = BuildsLoss()
+    assert list(nn.CrossEntropyLoss()._buffers.items()) == [("weight", None)]
+    eager = copy.deepcopy(model)
+    nnscaler.compile(model)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x, labels = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        torch.testing.assert_close(model(x, labels), eager(x, labels), rtol=0, atol=0)
+    info = nnscaler.cache_info(model)
+    assert info.captures == 1 and info.hits == 3, info
+    # one built around a tensor of the caller's holds it: still eager's answers
+    weighted, weights = BuildsLoss(torch.tensor([1.0, 2.0, 3.0])), []
+    reference = copy.deepcopy(weighted)
+    nnscaler.compile(weighted)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x, labels = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        weights.append(weighted(x, labels))
+        torch.testing.assert_close(weights[-1], reference(x, labels), rtol=0, atol=0)
+        weighted.weight.mul_(2.0)
+        reference.weight.mul_(2.0)
 
 
 # ------------------------------------------------ forwards under another name

@@ -240,7 +240,10 @@ class TrackedModules:
 
 
 def _owns_tensors(module: nn.Module) -> bool:
-    return bool(module._parameters) or bool(module._buffers)
+    """Does `module` hold a parameter or buffer?  A slot registered as None (the
+    `weight` buffer of every loss module built without one) holds nothing."""
+    return any(v is not None for v in module._parameters.values()) or \
+        any(v is not None for v in module._buffers.values())
 
 
 def global_hook_state() -> tuple[Any, ...]:
