@@ -37,15 +37,16 @@ _compiles = 0
 
 @contextlib.contextmanager
 def asked_once(gm: Any) -> Iterator[None]:
+    """Around a compile of `gm`: torch's answers kept for the subgraphs it calls."""
     subgraphs = _subgraphs_called(gm)
     if not subgraphs:
         yield
         return
-    _enter(subgraphs)
+    _C.call_holding(_lock, _entered, subgraphs)
     try:
         yield
     finally:
-        _leave(subgraphs)
+        _C.call_holding(_lock, _left, subgraphs)
 
 
 def _subgraphs_called(gm: Any) -> list[Any]:
@@ -65,14 +66,6 @@ def _subgraphs_called(gm: Any) -> list[Any]:
             if isinstance(sub, torch.fx.GraphModule):
                 found[id(sub)] = sub
     return list(found.values())
-
-
-def _enter(subgraphs: list[Any]) -> None:
-    _C.call_holding(_lock, _entered, subgraphs)
-
-
-def _leave(subgraphs: list[Any]) -> None:
-    _C.call_holding(_lock, _left, subgraphs)
 
 
 def _entered(subgraphs: list[Any]) -> None:
