@@ -22,17 +22,27 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 
 from nnscaler_eval import _C
 
+
+@dataclass
+class _Held:
+    """A subgraph some compile in progress calls, and torch's answers about it."""
+
+    subgraph: Any
+    compiles: int = 0
+    answers: dict[tuple, Any] = field(default_factory=dict)
+
+
 _lock = threading.Lock()
-# id(subgraph) -> (subgraph, compiles in progress that call it): ids stay unique while held
-_subgraphs: dict[int, tuple[Any, int]] = {}
-_answers: dict[tuple, Any] = {}
-_compiles = 0
+# id(subgraph) -> what is held for it; ids stay unique while held.  Our function is
+# the op's `gen_schema` exactly while this is not empty.
+_held: dict[int, _Held] = {}
 
 
 @contextlib.contextmanager
@@ -69,59 +79,48 @@ def _subgraphs_called(gm: Any) -> list[Any]:
 
 
 def _entered(subgraphs: list[Any]) -> None:
-    global _compiles
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
-    for sub in subgraphs:
-        held = _subgraphs.get(id(sub))
-        _subgraphs[id(sub)] = (sub, 1 if held is None else held[1] + 1)
-    _compiles += 1
-    if _compiles == 1:
+    if not _held:
         # An attribute of the op object is found before its class's method: the op's
         # own `self.gen_schema(...)` calls come here; its class is untouched.
         invoke_subgraph.gen_schema = _gen_schema
+    for sub in subgraphs:
+        _held.setdefault(id(sub), _Held(sub)).compiles += 1
 
 
 def _left(subgraphs: list[Any]) -> None:
-    global _compiles
     from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
     for sub in subgraphs:
-        held, n = _subgraphs[id(sub)]
-        if n == 1:
-            del _subgraphs[id(sub)]
-            for key in [k for k in _answers if k[0] == id(sub)]:
-                del _answers[key]
-        else:
-            _subgraphs[id(sub)] = (held, n - 1)
-    _compiles -= 1
-    if _compiles == 0:
+        held = _held[id(sub)]
+        held.compiles -= 1
+        if held.compiles == 0:
+            del _held[id(sub)]   # its answers with it
+    if not _held:
         vars(invoke_subgraph).pop("gen_schema", None)
-
-
-def _keep(key: tuple, subgraph: Any, answer: Any) -> None:
-    if id(subgraph) in _subgraphs:   # still a compile's: its answers are kept
-        _answers[key] = answer
 
 
 def _gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
     from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP, invoke_subgraph
 
-    key = _question(subgraph, identifier, operands)
+    held = _held.get(id(subgraph))
+    key = _question(subgraph, identifier, operands) \
+        if held is not None and held.subgraph is subgraph else None
     if key is not None:
-        answer = _answers.get(key)
+        answer = held.answers.get(key)
         if answer is not None:
             return answer
     answer = InvokeSubgraphHOP.gen_schema(invoke_subgraph, subgraph, identifier, *operands)
     if key is not None:
-        _C.call_holding(_lock, _keep, key, subgraph, answer)
+        held.answers[key] = answer   # dropped with `held` when the last compile ends
     return answer
 
 
 def _question(subgraph: Any, identifier: Any, operands: tuple) -> Optional[tuple]:
-    """What torch's answer depends on, hashable; None when it cannot be said."""
-    held = _subgraphs.get(id(subgraph))
-    if held is None or held[0] is not subgraph or not isinstance(identifier, str):
+    """What torch's answer depends on besides the subgraph object, hashable; None
+    when it cannot be said."""
+    if not isinstance(identifier, str):
         return None
     described = []
     for operand in operands:
@@ -135,4 +134,4 @@ def _question(subgraph: Any, identifier: Any, operands: tuple) -> Optional[tuple
             described.append((type(operand), operand))
         else:
             return None
-    return (id(subgraph), subgraph.code, identifier, tuple(described))
+    return (subgraph.code, identifier, tuple(described))
